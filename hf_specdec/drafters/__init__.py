@@ -1,0 +1,4 @@
+from .base import Drafter, Proposal
+from .draft_model import DraftModelDrafter
+
+__all__ = ["Drafter", "Proposal", "DraftModelDrafter"]

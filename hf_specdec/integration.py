@@ -1,0 +1,241 @@
+"""How hf_specdec plugs into ``model.generate``: ``enable(model)`` and the ``custom_generate`` callables.
+
+transformers' ``generate()`` prepares everything (generation config, special tokens, logits processors and
+warpers, stopping criteria, a DynamicCache, max length) and then calls a ``custom_generate`` callable instead of
+its own decoding method. hf_specdec uses that seam and nothing private:
+
+- ``speculative_generate`` / ``lookahead_generate`` are such callables. transformers forwards to a callable only
+  the keyword arguments it declares that ``_sample`` does not have, and drops ``assistant_model`` and
+  ``streamer``, so the callables take ``draft_model=`` and ``spec_streamer=`` instead.
+- ``enable(model)`` replaces ``generate`` on that one instance (the way transformers itself binds a Hub
+  ``custom_generate``), so that ``model.generate(..., assistant_model=draft)`` and ``decoding="lookahead"`` route
+  here with the usual argument names. Calls without them reach the original ``generate`` untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
+
+from . import cache as kv
+from .config import LookaheadConfig, SpecConfig
+from .drafters.draft_model import DraftModelDrafter
+from .loop import DecodeInputs, decode
+from .policy import FixedPolicy, make_policy
+from .stats import SpecStats
+
+logger = logging.getLogger(__name__)
+
+_ENABLED = "__hf_specdec__"
+
+
+@dataclass
+class SpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus the stats of the call."""
+
+    spec_stats: SpecStats | None = None
+
+
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    draft_model=None,
+    spec_config: SpecConfig | dict | None = None,
+    spec_streamer=None,
+    **model_kwargs,
+):
+    """``custom_generate`` callable: speculative decoding with ``draft_model`` (see module docstring).
+
+    ``draft_model`` is a causal LM sharing the target's tokenizer, or any object implementing ``Drafter``.
+    """
+    if draft_model is None:
+        raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
+    config = _as_config(spec_config, SpecConfig, "spec_config")
+    policy = make_policy(config)
+    inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
+        return _run(model, inputs, pad, draft_model, policy, spec_streamer, generation_config, SpecStats())
+    _check_same_family(model, draft_model)
+    inputs.vocab_size = min(inputs.vocab_size, _vocab_size(draft_model))
+    drafter = DraftModelDrafter(
+        draft_model,
+        logits_processor,
+        do_sample=inputs.do_sample,
+        vocab_size=inputs.vocab_size,
+        need_confidence=getattr(policy, "needs_confidence", False),
+        generator=inputs.generator,
+    )
+    return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="speculative"))
+
+
+def lookahead_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    lookahead_config: LookaheadConfig | dict | None = None,
+    spec_streamer=None,
+    **model_kwargs,
+):
+    """``custom_generate`` callable: lookahead decoding (Jacobi window + n-gram pool), no draft model."""
+    from .drafters.lookahead import LookaheadDrafter  # noqa: PLC0415  (built on top of the core)
+
+    config = _as_config(lookahead_config, LookaheadConfig, "lookahead_config")
+    inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    drafter = LookaheadDrafter(model, config, inputs)
+    policy = FixedPolicy(drafter.max_tokens)
+    return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="lookahead"))
+
+
+# -- shared preparation ---------------------------------------------------------------------------------------------
+def _as_config(value, cls, name):
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return cls.from_dict(value)
+    if not isinstance(value, cls):
+        raise ValueError(f"{name} must be a {cls.__name__} or a dict of its fields, got {type(value).__name__}.")
+    return value
+
+
+def _vocab_size(model) -> int:
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def _check_same_family(model, draft_model) -> None:
+    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+    if min(target_vocab, draft_vocab) < 0.95 * max(target_vocab, draft_vocab):
+        raise ValueError(
+            f"Target and draft vocabularies differ too much ({target_vocab} vs {draft_vocab} rows) to be one "
+            "tokenizer with padding. hf_specdec needs a draft that shares the target's tokenizer; run "
+            "`hf-specdec check --target T --draft D` to compare them, or pass tokenizer= and "
+            "assistant_tokenizer= through enable(model) to use transformers' universal assisted generation."
+        )
+    if draft_model.config.is_encoder_decoder:
+        raise ValueError("The draft model must be a decoder-only causal LM.")
+
+
+def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """Refuse what the loop cannot do, strip batch-1 left padding, and collect the loop's inputs."""
+    if model.config.is_encoder_decoder:
+        raise ValueError("hf_specdec supports decoder-only models; this model is encoder-decoder.")
+    if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
+        raise ValueError(
+            "hf_specdec does not do beam search or several return sequences "
+            f"(num_beams={generation_config.num_beams}, num_return_sequences="
+            f"{generation_config.num_return_sequences}); set both to 1."
+        )
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"hf_specdec decodes one sequence at a time (batch size 1), got batch size {input_ids.shape[0]}. "
+            "Call generate once per prompt, or use plain generate() for batches."
+        )
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("hf_specdec needs input_ids, not inputs_embeds.")
+    if generation_config.use_cache is False:
+        raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    kv.check_cache_supported(cache)
+    if cache is None or cache.get_seq_length() > 0:
+        cache = kv.new_cache(model)
+
+    pad = input_ids[:, :0]
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        num_pad = int((mask[0].cumsum(0) == 0).sum())  # leading zeros
+        if not bool(mask[0, num_pad:].all()):
+            raise ValueError("attention_mask has zeros after the first real token; only left padding is supported.")
+        pad, input_ids = input_ids[:, :num_pad], input_ids[:, num_pad:]
+
+    generator = None
+    return DecodeInputs(
+        target=model,
+        input_ids=input_ids,
+        cache=cache,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        do_sample=bool(generation_config.do_sample),
+        max_length=int(generation_config.max_length) - pad.shape[1],
+        vocab_size=_vocab_size(model),
+        generator=generator,
+        output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
+    ), pad
+
+
+def _run(model, inputs, pad, drafter, policy, streamer, generation_config, stats):
+    sequences, stats, scores = decode(inputs, drafter, policy, streamer=streamer, stats=stats)
+    sequences = torch.cat([pad, sequences], dim=1)
+    model.last_spec_stats = stats
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return SpecGenerateOutput(sequences=sequences, scores=scores or None, spec_stats=stats)
+
+
+# -- enable(model) --------------------------------------------------------------------------------------------------
+def enable(model):
+    """Route ``model.generate(..., assistant_model=draft)`` and ``decoding="lookahead"`` through hf_specdec.
+
+    Only this instance changes (its ``generate`` attribute); the class and every other model are untouched.
+    ``disable(model)`` undoes it. Returns the model.
+    """
+    if getattr(model.generate, _ENABLED, False):
+        return model
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, assistant_model=None, decoding=None, spec_config=None, lookahead_config=None, **kwargs):
+        mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
+        if mode is None:
+            if spec_config is not None or lookahead_config is not None:
+                raise ValueError("spec_config/lookahead_config given without assistant_model= or decoding=.")
+            return original(*args, **kwargs)
+        if mode not in ("speculative", "lookahead"):
+            raise ValueError(f"decoding={decoding!r} is unknown: use 'speculative' (with assistant_model=) or 'lookahead'.")
+        if kwargs.get("assistant_tokenizer") is not None:
+            # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
+            logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
+            return original(*args, assistant_model=assistant_model, **kwargs)
+        streamer = kwargs.pop("streamer", None)
+        _move_stop_strings(kwargs)
+        if mode == "lookahead":
+            return original(*args, custom_generate=lookahead_generate, lookahead_config=lookahead_config,
+                            spec_streamer=streamer, **kwargs)
+        if assistant_model is None:
+            raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
+        return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
+                        spec_config=spec_config, spec_streamer=streamer, **kwargs)
+
+    setattr(generate, _ENABLED, True)
+    model.generate = generate
+    return model
+
+
+def disable(model):
+    """Undo ``enable(model)``."""
+    if getattr(model.generate, _ENABLED, False):
+        del model.generate
+    return model
+
+
+def _move_stop_strings(kwargs: dict) -> None:
+    """transformers drops ``tokenizer`` on the way to a custom_generate callable, and stop strings need it:
+    turn ``stop_strings`` into a StopStringCriteria here, where the tokenizer is still at hand."""
+    stop_strings = kwargs.pop("stop_strings", None)
+    tokenizer = kwargs.pop("tokenizer", None)
+    if stop_strings is None:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: pass tokenizer=<your tokenizer> to generate().")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria

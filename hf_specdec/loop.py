@@ -1,0 +1,203 @@
+"""The single decoding loop every mode shares.
+
+    prefill the target, emit its first token
+    repeat:
+      1. draft     the policy picks k (0 = plain step), the drafter proposes up to k tokens
+      2. verify    one target forward over [last committed token, draft tokens]
+      3. accept    ``verify.py`` keeps the longest acceptable prefix and adds a recovered or bonus token
+      4. roll back target and drafter forget the KV of rejected tokens (``cache.py``)
+      5. learn     the policy observes what the round cost and what it gained
+      6. emit/stop the round's tokens are cut at the first stop, streamed and appended
+
+The invariant between rounds: the target cache holds every committed token except the last one, which is the
+first input of the next verify forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from . import cache as kv
+from .drafters.base import Drafter, Proposal
+from .policy import DraftLengthPolicy
+from .stats import SpecStats
+from .stopping import Emitter, cut_at_stop
+from .verify import Verdict, verify_greedy, verify_sampled
+
+logger = logging.getLogger(__name__)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA OOM, or a failed host allocation (PyTorch reports it as a RuntimeError)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+
+
+@dataclass
+class DecodeInputs:
+    """Everything the loop needs, prepared by ``integration.py``."""
+
+    target: object  # the target model (PreTrainedModel)
+    input_ids: torch.LongTensor  # [1, L] prompt
+    cache: object  # the target's DynamicCache (empty)
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+    do_sample: bool
+    max_length: int
+    vocab_size: int  # shared vocabulary (target and draft may be padded differently)
+    generator: torch.Generator | None = None
+    output_scores: bool = False
+
+
+def decode(inputs: DecodeInputs, drafter: Drafter | None, policy: DraftLengthPolicy, streamer=None,
+           stats: SpecStats | None = None) -> tuple[torch.LongTensor, SpecStats, tuple[torch.Tensor, ...]]:
+    """Run the loop; returns (sequences [1, L + new], stats, processed scores per emitted token if asked)."""
+    stats = stats if stats is not None else SpecStats()
+    emitter = Emitter(streamer)
+    target, cache = inputs.target, inputs.cache
+    scores_out: list[torch.Tensor] = []
+    start = time.perf_counter()
+    emitter.prompt(inputs.input_ids)
+
+    # prefill: the whole prompt, one token out
+    try:
+        logits = kv.forward(target, inputs.input_ids, cache, num_logits=1)[:, : inputs.vocab_size]  # [1, V]
+    except Exception as error:
+        if is_out_of_memory(error):
+            raise RuntimeError(
+                "Out of memory while reading the prompt with the target model. Shorten the prompt, use a "
+                "smaller target or a lower precision (dtype='auto' picks bf16/fp16 where supported)."
+            ) from error
+        raise
+    scores = _process(inputs, inputs.input_ids, torch.empty(0, dtype=torch.long), logits)
+    first = _pick(inputs, scores[0])
+    ids, stop = _emit(inputs, emitter, stats, scores_out, inputs.input_ids, torch.tensor([first]), scores, 0)
+    stats.prefill_time_s = time.perf_counter() - start
+    stats.record_prefill(stats.prefill_time_s, emitted=1)
+    stats.ttft_s = stats.prefill_time_s
+
+    if drafter is not None and not stop:
+        try:
+            drafter.prefill(ids)
+        except Exception as error:
+            drafter = _drop_drafter(error, drafter, stats)
+
+    while not stop:
+        length = ids.shape[1]
+        budget = inputs.max_length - length - 1  # room for k drafts plus the recovered/bonus token
+
+        # 1. draft
+        k = policy.next_k(budget) if drafter is not None else 0
+        proposal = Proposal(torch.empty(0, dtype=torch.long))
+        if k > 0:
+            try:
+                proposal = drafter.propose(ids, k, policy.keep_drafting)
+            except Exception as error:
+                drafter = _drop_drafter(error, drafter, stats)
+        draft_tokens = proposal.token_ids.to(ids.device)
+
+        # 2. verify: one target forward over the last committed token and the draft tokens
+        verify_start = time.perf_counter()
+        verify_input = torch.cat([ids[0, -1:], draft_tokens])[None]  # [1, k + 1]
+        try:
+            logits = kv.forward(target, verify_input, cache, num_logits=verify_input.shape[1])
+        except Exception as error:
+            if draft_tokens.numel() == 0 or not is_out_of_memory(error):
+                raise
+            # out of memory verifying k tokens: repair the cache, stop speculating, redo this round as a plain step
+            kv.rollback(cache, length - 1)
+            drafter = _drop_drafter(error, drafter, stats)
+            continue
+        logits = logits[:, : inputs.vocab_size]  # [k + 1, V]
+
+        # 3. accept
+        scores = _process(inputs, ids, draft_tokens, logits)  # [k + 1, V]
+        verdict = _verify(inputs, draft_tokens, proposal.draft_probs, scores)
+        verify_time = time.perf_counter() - verify_start
+
+        # 4. roll back: keep the committed tokens and the accepted draft tokens
+        kv.rollback(cache, length + verdict.num_accepted)
+        if drafter is not None and draft_tokens.numel():
+            drafter.rollback(length + verdict.num_accepted)
+
+        # 5. learn
+        num_drafted = int(draft_tokens.numel())
+        policy.observe(num_drafted, verdict.num_accepted, proposal.draft_time, proposal.draft_forwards,
+                       num_drafted + 1, verify_time)
+        stats.draft_time_s += proposal.draft_time
+        stats.draft_forwards += proposal.draft_forwards
+
+        # 6. emit / stop
+        new_tokens = torch.cat([draft_tokens[: verdict.num_accepted], torch.tensor([verdict.next_token])])
+        ids, stop = _emit(inputs, emitter, stats, scores_out, ids, new_tokens, scores, verdict.num_accepted)
+        stats.record_round(num_drafted, verdict.num_accepted, int(ids.shape[1] - length), num_drafted + 1, verify_time)
+
+    emitter.end()
+    stats.total_time_s = time.perf_counter() - start
+    if drafter is not None:
+        drafter.release()
+    return ids, stats, tuple(scores_out)
+
+
+def _process(inputs: DecodeInputs, ids: torch.LongTensor, draft_tokens: torch.LongTensor,
+             logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors at each verified position, each with its own prefix. [n, V] -> [n, V]."""
+    if not inputs.logits_processor:
+        return logits
+    full = torch.cat([ids, draft_tokens[None].to(ids.device)], dim=1)  # [1, L + k]
+    length = ids.shape[1]
+    rows = [inputs.logits_processor(full[:, : length + i], logits[i: i + 1]) for i in range(logits.shape[0])]
+    return torch.cat(rows, dim=0)
+
+
+def _pick(inputs: DecodeInputs, scores: torch.Tensor) -> int:
+    """Plain decoding's choice from one processed row [V]."""
+    if inputs.do_sample:
+        return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=inputs.generator))
+    return int(scores.argmax())
+
+
+def _verify(inputs: DecodeInputs, draft_tokens, draft_probs, scores) -> Verdict:
+    if draft_tokens.numel() == 0:
+        return Verdict(0, _pick(inputs, scores[0]))
+    if not inputs.do_sample:
+        return verify_greedy(draft_tokens, scores.argmax(dim=-1))
+    target_probs = torch.softmax(scores, dim=-1)  # [k + 1, V]
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(target_probs.device)
+    return verify_sampled(draft_tokens, draft_probs, target_probs, generator=inputs.generator)
+
+
+def _emit(inputs, emitter, stats, scores_out, ids, new_tokens, scores, num_accepted):
+    """Cut the round's tokens at the first stop, stream them, append them. Returns (ids, stop)."""
+    new_tokens = new_tokens.to(ids.device)
+    new_tokens, stop = cut_at_stop(ids, new_tokens, inputs.stopping_criteria)
+    emitter.round(new_tokens, num_accepted)
+    if inputs.output_scores:
+        scores_out.extend(scores[i: i + 1] for i in range(new_tokens.shape[0]))
+    ids = torch.cat([ids, new_tokens[None]], dim=1)
+    return ids, stop or ids.shape[1] >= inputs.max_length
+
+
+def _drop_drafter(error: BaseException, drafter, stats: SpecStats):
+    """Out of memory in the drafter: free it and finish with plain decoding; anything else is a real error."""
+    if not is_out_of_memory(error):
+        raise error
+    logger.warning(
+        "hf_specdec: out of memory while drafting (%s). Continuing with plain decoding from the tokens already "
+        "accepted; nothing is lost. To speculate, use a 4-bit draft (quantize='4bit') or a smaller draft model.",
+        error,
+    )
+    stats.fell_back = f"out of memory: {error}"
+    if drafter is not None:
+        drafter.release()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None

@@ -1,0 +1,234 @@
+"""How many tokens to draft next: the draft-length policies.
+
+A policy answers two questions for the loop and learns from every round:
+
+- ``next_k(budget)``: the most draft tokens for this round (0 = a plain target step, speculation off);
+- ``keep_drafting(i, confidence)``: after the drafter produced its i-th token with probability ``confidence``
+  under the draft's own processed distribution, should it draft token i+1?
+- ``observe(...)``: what the round cost and how much of it the target accepted.
+
+Policies:
+
+``FixedPolicy``      always k.
+``HeuristicPolicy``  transformers' ``num_assistant_tokens_schedule="heuristic"``: k += 2 after a round in which
+                     every draft token was accepted, else k = max(1, k - 1). Kept as a reference. (transformers
+                     also adds 2 after a round that drafted nothing; that quirk is not copied.)
+``AdaptivePolicy``   the default, a cost model fed by measurements.
+
+The adaptive rule
+-----------------
+Let a_j be the probability that draft position j is accepted given that positions 1..j-1 were (estimated
+online from exponentially decayed counts with a Beta prior), t_d the measured time of one draft forward and
+t_v(n) the measured time of a target forward over n new tokens. A round that drafts k tokens emits on average
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j          tokens and costs    T(k) = k * t_d + t_v(k + 1),
+
+and a plain step (k = 0) emits 1 token in t_v(1). Each round picks
+
+    k* = argmax_{0 <= k <= budget}  E(k) / T(k)      (expected tokens per second).
+
+t_v is measured, never assumed: on a CPU in bf16 t_v(1..8) is nearly flat, in fp32 it roughly doubles, on a GPU
+it is flat much further. Unmeasured n are interpolated linearly between measured sizes and held flat beyond the
+largest (optimistic, so the policy tries a longer draft once and learns its cost). When k* = 0 speculation is off; every ``probe_interval`` plain rounds one round drafts
+anyway so that the estimates can recover when the text becomes predictable again.
+
+Inside a round, drafting stops early on low confidence. With P_i the (calibrated) probability that draft
+tokens 1..i are all accepted, the round so far is worth E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d +
+t_v(i+1). Token i+1 adds about P_i * a_{i+1} tokens for t_d + t_v(i+2) - t_v(i+1) more time, so drafting goes
+on only while
+
+    P_i * a_{i+1} / (t_d + t_v(i+2) - t_v(i+1))  >  E_i / T_i .
+
+P_i multiplies calibrated confidences: the draft's probability of its own token, mapped to an acceptance
+probability through online per-bin acceptance counts (10 bins, Beta prior centred on the raw confidence).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from .config import SpecConfig
+
+
+class DraftLengthPolicy(Protocol):
+    def next_k(self, budget: int) -> int: ...
+
+    def keep_drafting(self, num_drafted: int, confidence: float) -> bool: ...
+
+    def observe(self, drafted: int, accepted: int, draft_time: float, draft_forwards: int,
+                verify_tokens: int, verify_time: float) -> None: ...
+
+
+class FixedPolicy:
+    needs_confidence = False
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def next_k(self, budget: int) -> int:
+        return min(self.k, budget)
+
+    def keep_drafting(self, num_drafted: int, confidence: float) -> bool:
+        return True
+
+    def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
+        pass
+
+
+class HeuristicPolicy(FixedPolicy):
+    def __init__(self, k: int, max_k: int) -> None:
+        super().__init__(k)
+        self.max_k = max_k
+
+    def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
+        if drafted == 0:
+            return
+        self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+
+class _Ema:
+    """Exponential moving average that starts at its first sample."""
+
+    __slots__ = ("value", "weight")
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.value: float | None = None
+        self.weight = weight
+
+    def update(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+class AdaptivePolicy:
+    needs_confidence = True
+    NUM_BINS = 10
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+        self.max_k = config.max_draft_tokens
+        self.initial_k = config.num_draft_tokens
+        # decayed acceptance counts per draft position (index 0 = position 1), Beta(2, 1) prior
+        self.reached = [0.0] * self.max_k
+        self.kept = [0.0] * self.max_k
+        # calibration of draft confidence: per confidence bin, decayed (accepted, seen) counts
+        self.bin_kept = [0.0] * self.NUM_BINS
+        self.bin_seen = [0.0] * self.NUM_BINS
+        self.round_confidences: list[float] = []
+        self.draft_forward_time = _Ema()
+        self.verify_time: dict[int, _Ema] = {}
+        self.plain_rounds_in_a_row = 0
+        self._rate_cache: float | None = None
+
+    # -- estimates ----------------------------------------------------------------------------------------------
+    def alpha(self, position: int) -> float:
+        """P(draft position ``position`` (1-based) accepted | all before it accepted)."""
+        i = min(position, self.max_k) - 1
+        return (self.kept[i] + 2.0) / (self.reached[i] + 3.0)
+
+    def calibrated(self, confidence: float) -> float:
+        b = min(int(confidence * self.NUM_BINS), self.NUM_BINS - 1)
+        return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_seen[b] + 2.0)
+
+    def t_verify(self, n: int) -> float | None:
+        """Measured verify time for n new tokens; linear between measured sizes, flat beyond them."""
+        if not self.verify_time:
+            return None
+        if n in self.verify_time:
+            return self.verify_time[n].value
+        below = [m for m in self.verify_time if m < n]
+        above = [m for m in self.verify_time if m > n]
+        if not below:
+            return self.verify_time[min(above)].value
+        if not above:  # optimistic: larger drafts get tried once and then measured
+            return self.verify_time[max(below)].value
+        low, high = max(below), min(above)
+        t_low, t_high = self.verify_time[low].value, self.verify_time[high].value
+        return t_low + (t_high - t_low) * (n - low) / (high - low)
+
+    def expected_rate(self, k: int) -> float | None:
+        """E(k) / T(k) in tokens per second, None before anything was measured."""
+        t_d = self.draft_forward_time.value
+        t_v = self.t_verify(k + 1)
+        if t_v is None or (k > 0 and t_d is None):
+            return None
+        emitted, prefix = 1.0, 1.0
+        for position in range(1, k + 1):
+            prefix *= self.alpha(position)
+            emitted += prefix
+        return emitted / (k * (t_d or 0.0) + t_v)
+
+    # -- decisions ------------------------------------------------------------------------------------------------
+    def next_k(self, budget: int) -> int:
+        self.round_confidences = []
+        budget = min(budget, self.max_k)
+        if budget <= 0:
+            return 0
+        if 1 not in self.verify_time:  # measure a plain step first: every other choice is compared to it
+            return 0
+        if self.draft_forward_time.value is None:
+            return min(self.initial_k, budget)
+        rates = [self.expected_rate(k) for k in range(budget + 1)]
+        best_k = max(range(budget + 1), key=lambda k: rates[k] if rates[k] is not None else -1.0)
+        if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval:
+            best_k = max(range(1, budget + 1), key=lambda k: rates[k] or -1.0)  # probe
+        self._rate_cache = rates[best_k]
+        return best_k
+
+    def keep_drafting(self, num_drafted: int, confidence: float) -> bool:
+        self.round_confidences.append(confidence)
+        if not self.config.confidence_stop or num_drafted >= self.max_k:
+            return True
+        t_d = self.draft_forward_time.value
+        if t_d is None:
+            return True
+        all_kept, emitted = 1.0, 1.0
+        for c in self.round_confidences:
+            all_kept *= self.calibrated(c)
+            emitted += all_kept
+        t_now = self.t_verify(num_drafted + 1)
+        t_next = self.t_verify(num_drafted + 2)
+        if t_now is None or t_next is None:
+            return True
+        gain = all_kept * self.alpha(num_drafted + 1)
+        extra_time = t_d + max(0.0, t_next - t_now)
+        return gain / extra_time > emitted / (num_drafted * t_d + t_now)
+
+    # -- learning -------------------------------------------------------------------------------------------------
+    def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
+        self.verify_time.setdefault(verify_tokens, _Ema()).update(verify_time)
+        if drafted == 0:
+            self.plain_rounds_in_a_row += 1
+            return
+        self.plain_rounds_in_a_row = 0
+        if draft_forwards:
+            self.draft_forward_time.update(draft_time / draft_forwards)
+        decay = self.config.decay
+        self.reached = [x * decay for x in self.reached]
+        self.kept = [x * decay for x in self.kept]
+        for i in range(min(drafted, accepted + 1)):  # positions the target actually judged
+            self.reached[i] += 1.0
+            if i < accepted:
+                self.kept[i] += 1.0
+        self.bin_seen = [x * decay for x in self.bin_seen]
+        self.bin_kept = [x * decay for x in self.bin_kept]
+        for i, c in enumerate(self.round_confidences[: accepted + 1]):
+            b = min(int(c * self.NUM_BINS), self.NUM_BINS - 1)
+            self.bin_seen[b] += 1.0
+            if i < accepted:
+                self.bin_kept[b] += 1.0
+
+
+def make_policy(config: SpecConfig) -> DraftLengthPolicy:
+    if config.policy == "fixed":
+        return FixedPolicy(config.num_draft_tokens)
+    if config.policy == "heuristic":
+        return HeuristicPolicy(config.num_draft_tokens, config.max_draft_tokens)
+    return AdaptivePolicy(config)
+
+
+def speedup_bound(alpha: float, c: float, k: int) -> float:
+    """Leviathan et al. Thm 3.8: expected speedup for i.i.d. acceptance ``alpha``, cost ratio ``c``, flat v."""
+    if alpha >= 1.0:
+        return (k + 1) / (1 + k * c)
+    return (1 - math.pow(alpha, k + 1)) / ((1 - alpha) * (1 + k * c))

@@ -1,0 +1,123 @@
+"""SpecStats: what happened during one speculative (or lookahead) ``generate`` call.
+
+Definitions, used the same way by the loop, the eval harness and the demo:
+
+- round: one target forward that emits tokens. The prefill is round 0 (it emits the first token), every later
+  target forward is one round, whether it verified draft tokens (a speculative round) or not (a plain round,
+  k = 0, "speculation off").
+- drafted / accepted: draft tokens sent to the target for verification / kept by it (see ``verify.py``).
+- mean accepted length: ``new_tokens / rounds`` = tokens emitted per target forward, bonus/recovered token
+  included; it equals ``1 + accepted / rounds`` when no stop truncated the last round. This is vLLM's
+  "mean acceptance length" and the "compression ratio" of EAGLE and LookaheadDecoding. Plain decoding has 1.0.
+- acceptance per position i: of the rounds that drafted at least i tokens, the share that accepted the i-th.
+- c (cost ratio): mean time of one draft forward / mean time of one plain target step.
+- v(n): mean time of a target forward over n new tokens / the same for one token, on this hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpecStats:
+    mode: str = "speculative"
+    rounds: int = 0
+    new_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds_spec_off: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_length_hist: Counter = field(default_factory=Counter)
+    round_log: list[tuple[int, int]] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    draft_forwards: int = 0
+    verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    total_time_s: float = 0.0
+    ttft_s: float | None = None
+    verify_time_by_tokens: dict[int, list[float]] = field(default_factory=dict)
+    fell_back: str | None = None  # why speculation was switched off for the rest of the call (e.g. out of memory)
+
+    # -- recording (called by the loop) ---------------------------------------------------------------------
+    def record_prefill(self, prefill_time: float, emitted: int) -> None:
+        self.rounds += 1
+        self.new_tokens += emitted
+        self.prefill_time_s += prefill_time
+        self.round_log.append((0, emitted))
+
+    def record_round(self, drafted: int, accepted: int, emitted: int, verify_tokens: int, verify_time: float) -> None:
+        self.rounds += 1
+        self.new_tokens += emitted
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_length_hist[drafted] += 1
+        if drafted == 0:
+            self.rounds_spec_off += 1
+        while len(self.drafted_per_position) < drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            if i < accepted:
+                self.accepted_per_position[i] += 1
+        self.round_log.append((min(accepted, emitted), emitted))
+        self.verify_time_s += verify_time
+        self.verify_time_by_tokens.setdefault(verify_tokens, []).append(verify_time)
+
+    # -- derived ----------------------------------------------------------------------------------------------
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (vLLM's "draft acceptance rate"; it falls as k grows, unlike per-token alpha)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def verify_cost(self) -> dict[int, float]:
+        """v(n): mean verify time over n new tokens divided by the mean time of a 1-token step (if measured)."""
+        means = {n: sum(ts) / len(ts) for n, ts in self.verify_time_by_tokens.items() if ts}
+        base = means.get(1)
+        if not base:
+            return {}
+        return {n: means[n] / base for n in sorted(means)}
+
+    @property
+    def cost_ratio_c(self) -> float | None:
+        step = self.verify_time_by_tokens.get(1)
+        if not self.draft_forwards or not step:
+            return None
+        return (self.draft_time_s / self.draft_forwards) / (sum(step) / len(step))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["draft_length_hist"] = dict(sorted(self.draft_length_hist.items()))
+        data["verify_time_by_tokens"] = {
+            n: sum(ts) / len(ts) for n, ts in sorted(self.verify_time_by_tokens.items()) if ts
+        }
+        for name in ("mean_accepted_length", "acceptance_rate", "acceptance_per_position", "verify_cost",
+                     "cost_ratio_c", "tokens_per_s"):
+            data[name] = getattr(self, name)
+        return data
+
+    def summary(self) -> str:
+        c = self.cost_ratio_c
+        return (
+            f"{self.new_tokens} tokens in {self.rounds} rounds ({self.tokens_per_s:.2f} tok/s), "
+            f"mean accepted length {self.mean_accepted_length:.2f}, acceptance {self.acceptance_rate:.0%}, "
+            f"c={'n/a' if c is None else f'{c:.2f}'}, rounds with speculation off {self.rounds_spec_off}"
+        )

@@ -1,0 +1,51 @@
+"""Exact stops inside an accepted block, and streaming of exactly what is returned.
+
+A speculative round emits several tokens at once. transformers (5.23/5.24) checks EOS and max length inside the
+block but lets custom ``StoppingCriteria`` and ``stop_strings`` overshoot. Here every criterion is evaluated
+after each emitted token, and the block is cut right after the first token that stops generation: what is
+returned, and what is streamed, ends exactly where plain ``generate`` would have ended.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import StoppingCriteriaList
+
+
+def cut_at_stop(
+    committed_ids: torch.LongTensor,  # [1, L]
+    new_tokens: torch.LongTensor,  # [n] tokens this round wants to emit
+    stopping_criteria: StoppingCriteriaList,
+) -> tuple[torch.LongTensor, bool]:
+    """Return (the tokens to emit, whether generation stops after them)."""
+    if not stopping_criteria:
+        return new_tokens, False
+    full = torch.cat([committed_ids, new_tokens[None].to(committed_ids.device)], dim=1)  # [1, L + n]
+    length = committed_ids.shape[1]
+    for j in range(1, new_tokens.shape[0] + 1):
+        if bool(stopping_criteria(full[:, : length + j], None).any()):
+            return new_tokens[:j], True
+    return new_tokens, False
+
+
+class Emitter:
+    """Streams each round's emitted tokens; the demo's highlight uses the optional ``on_round`` hook."""
+
+    def __init__(self, streamer) -> None:
+        self.streamer = streamer
+        self.on_round = getattr(streamer, "on_round", None)
+
+    def prompt(self, prompt_ids: torch.LongTensor) -> None:
+        if self.streamer is not None:
+            self.streamer.put(prompt_ids.cpu())
+
+    def round(self, tokens: torch.LongTensor, num_accepted_draft: int) -> None:
+        if self.streamer is None or tokens.numel() == 0:
+            return
+        if self.on_round is not None:
+            self.on_round(min(num_accepted_draft, tokens.numel()), tokens.numel())
+        self.streamer.put(tokens[None].cpu())
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()

@@ -1,0 +1,127 @@
+"""Greedy speculative decoding returns exactly what plain greedy generate returns (fp32, tiny models)."""
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.drafters.base import Proposal
+from hf_specdec.policy import AdaptivePolicy
+from tests.conftest import perturbed_copy, tiny_model
+
+POLICIES = ["fixed", "heuristic", "adaptive"]
+NEW = 48
+
+
+def plain(model, prompt, **kwargs):
+    return type(model).generate(model, prompt, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def speculative(model, draft, prompt, policy, **kwargs):
+    return model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
+                          spec_config=hf_specdec.SpecConfig(policy=policy, num_draft_tokens=4),
+                          max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_draft_equal_to_target_accepts_everything(target, prompt, policy):
+    out = speculative(target, target, prompt, policy)
+    assert torch.equal(out, plain(target, prompt))
+    stats = target.last_spec_stats
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
+    if policy == "fixed":  # every round but the last drafts 4 and keeps them: K + 1 tokens per round
+        assert stats.round_log[1] == (4, 5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_random_draft_accepts_almost_nothing(target, random_draft, prompt, policy):
+    out = speculative(target, random_draft, prompt, policy)
+    assert torch.equal(out, plain(target, prompt))
+    assert target.last_spec_stats.new_tokens == NEW
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_perturbed_draft_partial_acceptance(target, close_draft, prompt, policy):
+    out = speculative(target, close_draft, prompt, policy)
+    assert torch.equal(out, plain(target, prompt))
+    stats = target.last_spec_stats
+    assert 0 < stats.accepted < stats.drafted
+
+
+class ScriptedDrafter:
+    """Right for ``right`` tokens, then wrong: knows the plain greedy continuation and corrupts it on purpose."""
+
+    def __init__(self, reference: torch.LongTensor, right: int, k: int):
+        self.reference, self.right, self.k = reference[0], right, k
+
+    def prefill(self, prompt_ids):
+        return 0.0
+
+    def propose(self, committed_ids, max_tokens, keep_drafting):
+        start = committed_ids.shape[1]
+        truth = self.reference[start: start + max_tokens]
+        tokens = truth.clone()
+        tokens[self.right:] = (tokens[self.right:] + 1) % 96  # wrong from position right+1 on
+        return Proposal(tokens, None, 0.0, len(tokens))
+
+    def rollback(self, num_valid):
+        pass
+
+    def release(self):
+        pass
+
+
+@pytest.mark.parametrize("right", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("policy", ["fixed", "heuristic"])
+def test_scripted_partial_acceptance(target, prompt, right, policy):
+    reference = type(target).generate(target, prompt, max_new_tokens=NEW + 8, do_sample=False)
+    drafter = ScriptedDrafter(reference, right, k=4)
+    out = speculative(target, drafter, prompt, policy)
+    assert torch.equal(out, reference[:, : prompt.shape[1] + NEW])
+    stats = target.last_spec_stats
+    # every speculative round that drafted more than `right` tokens accepts exactly `right`
+    full_rounds = [acc for (acc, emitted), k in zip(stats.round_log[1:], stats.draft_length_hist.elements()) if False]
+    assert all(acc <= max(right, 0) or acc == emitted - 1 for acc, emitted in stats.round_log[1:])
+    assert stats.accepted_per_position[0] == (stats.drafted_per_position[0] if right >= 1 else 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_parity_across_architectures(arch, prompt):
+    model = tiny_model(arch, seed=4)
+    draft = perturbed_copy(model, 0.02)
+    for policy in POLICIES:
+        assert torch.equal(speculative(model, draft, prompt, policy), plain(model, prompt)), policy
+
+
+def test_parity_with_processors_repetition_penalty(target, close_draft, prompt):
+    kwargs = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    assert torch.equal(speculative(target, close_draft, prompt, "adaptive", **kwargs), plain(target, prompt, **kwargs))
+
+
+def test_enable_routes_assistant_model_and_leaves_plain_calls_alone(prompt):
+    model = tiny_model("llama", seed=0)
+    draft = perturbed_copy(model, 0.02)
+    before = model.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    hf_specdec.enable(model)
+    assert torch.equal(model.generate(prompt, max_new_tokens=NEW, do_sample=False), before)
+    assert not hasattr(model, "last_spec_stats")  # the plain call did not go through hf_specdec
+    out = model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, before)
+    assert out.spec_stats is model.last_spec_stats and out.spec_stats.new_tokens == NEW
+    other = tiny_model("llama", seed=0)
+    assert "generate" not in vars(other)  # other instances untouched
+    hf_specdec.disable(model)
+    assert "generate" not in vars(model)
+
+
+def test_left_padded_single_prompt(target, close_draft, prompt):
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(prompt)], dim=1)
+    out = speculative(target, close_draft, padded, "adaptive", attention_mask=mask)
+    assert torch.equal(out[:, 3:], plain(target, prompt))
+
+
+def test_adaptive_policy_turns_speculation_off_for_a_useless_draft(target, random_draft, prompt):
+    speculative(target, random_draft, prompt, "adaptive")
+    stats = target.last_spec_stats
+    assert stats.rounds_spec_off > stats.rounds // 2
