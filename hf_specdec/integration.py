@@ -193,31 +193,37 @@ def enable(model):
     original = model.generate
 
     @functools.wraps(original)
-    def generate(*args, assistant_model=None, decoding=None, spec_config=None, lookahead_config=None, **kwargs):
-        mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
-        if mode is None:
-            if spec_config is not None or lookahead_config is not None:
-                raise ValueError("spec_config/lookahead_config given without assistant_model= or decoding=.")
-            return original(*args, **kwargs)
-        if mode not in ("speculative", "lookahead"):
-            raise ValueError(f"decoding={decoding!r} is unknown: use 'speculative' (with assistant_model=) or 'lookahead'.")
-        if kwargs.get("assistant_tokenizer") is not None:
-            # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
-            logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
-            return original(*args, assistant_model=assistant_model, **kwargs)
-        streamer = kwargs.pop("streamer", None)
-        _move_stop_strings(kwargs)
-        if mode == "lookahead":
-            return original(*args, custom_generate=lookahead_generate, lookahead_config=lookahead_config,
-                            spec_streamer=streamer, **kwargs)
-        if assistant_model is None:
-            raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
-        return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
-                        spec_config=spec_config, spec_streamer=streamer, **kwargs)
+    def generate(*args, **kwargs):
+        return route_generate(original, *args, **kwargs)
 
     setattr(generate, _ENABLED, True)
     model.generate = generate
     return model
+
+
+def route_generate(original, *args, assistant_model=None, decoding=None, spec_config=None, lookahead_config=None,
+                   **kwargs):
+    """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``decoding``, to ``original``."""
+    mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
+    if mode is None:
+        if spec_config is not None or lookahead_config is not None:
+            raise ValueError("spec_config/lookahead_config given without assistant_model= or decoding=.")
+        return original(*args, **kwargs)
+    if mode not in ("speculative", "lookahead"):
+        raise ValueError(f"decoding={decoding!r} is unknown: use 'speculative' (with assistant_model=) or 'lookahead'.")
+    if kwargs.get("assistant_tokenizer") is not None:
+        # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
+        logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
+        return original(*args, assistant_model=assistant_model, **kwargs)
+    streamer = kwargs.pop("streamer", None)
+    _move_stop_strings(kwargs)
+    if mode == "lookahead":
+        return original(*args, custom_generate=lookahead_generate, lookahead_config=lookahead_config,
+                        spec_streamer=streamer, **kwargs)
+    if assistant_model is None:
+        raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
+    return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
+                    spec_config=spec_config, spec_streamer=streamer, **kwargs)
 
 
 def disable(model):
