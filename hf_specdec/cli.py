@@ -54,6 +54,7 @@ def _demo(argv: list[str]) -> int:
         return 2
     spec = importlib.util.spec_from_file_location("hf_specdec_demo_app", app_path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
     return int(module.main(argv) or 0)
 

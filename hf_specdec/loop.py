@@ -27,6 +27,7 @@ from .drafters.base import Drafter, Proposal
 from .policy import DraftLengthPolicy
 from .stats import SpecStats
 from .stopping import Emitter, cut_at_stop
+from .layout import TreeProposal, accepted_input_index, verify_tree
 from .verify import Verdict, verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
@@ -103,47 +104,95 @@ def decode(inputs: DecodeInputs, drafter: Drafter | None, policy: DraftLengthPol
                 drafter = _drop_drafter(error, drafter, stats)
         draft_tokens = proposal.token_ids.to(ids.device)
 
-        # 2. verify: one target forward over the last committed token and the draft tokens
-        verify_start = time.perf_counter()
-        verify_input = torch.cat([ids[0, -1:], draft_tokens])[None]  # [1, k + 1]
-        try:
-            logits = kv.forward(target, verify_input, cache, num_logits=verify_input.shape[1])
-        except Exception as error:
-            if draft_tokens.numel() == 0 or not is_out_of_memory(error):
-                raise
-            # out of memory verifying k tokens: repair the cache, stop speculating, redo this round as a plain step
-            kv.rollback(cache, length - 1)
-            drafter = _drop_drafter(error, drafter, stats)
-            continue
-        logits = logits[:, : inputs.vocab_size]  # [k + 1, V]
-
-        # 3. accept
-        scores = _process(inputs, ids, draft_tokens, logits)  # [k + 1, V]
-        verdict = _verify(inputs, draft_tokens, proposal.draft_probs, scores)
-        verify_time = time.perf_counter() - verify_start
-
-        # 4. roll back: keep the committed tokens and the accepted draft tokens
-        kv.rollback(cache, length + verdict.num_accepted)
-        if drafter is not None and draft_tokens.numel():
+        if proposal.tree is not None:
+            # 2-4. lookahead (tree): one forward over the window and the trie, tree verify, keep the path's KV
+            verdict, draft_tokens, scores, verify_time = _tree_round(inputs, ids, proposal.tree, drafter)
             drafter.rollback(length + verdict.num_accepted)
+            num_drafted, verify_tokens = proposal.tree.depth, proposal.tree.layout.num_tokens
+        else:
+            # 2. verify: one target forward over the last committed token and the draft tokens
+            verify_start = time.perf_counter()
+            verify_input = torch.cat([ids[0, -1:], draft_tokens])[None]  # [1, k + 1]
+            try:
+                logits = kv.forward(target, verify_input, cache, num_logits=verify_input.shape[1])
+            except Exception as error:
+                if draft_tokens.numel() == 0 or not is_out_of_memory(error):
+                    raise
+                # out of memory verifying k tokens: repair the cache, stop speculating, redo this round as a plain step
+                kv.rollback(cache, length - 1)
+                drafter = _drop_drafter(error, drafter, stats)
+                continue
+            logits = logits[:, : inputs.vocab_size]  # [k + 1, V]
+
+            # 3. accept
+            scores = _process(inputs, ids, draft_tokens, logits)  # [k + 1, V]
+            verdict = _verify(inputs, draft_tokens, proposal.draft_probs, scores)
+            verify_time = time.perf_counter() - verify_start
+
+            # 4. roll back: keep the committed tokens and the accepted draft tokens
+            kv.rollback(cache, length + verdict.num_accepted)
+            if drafter is not None and draft_tokens.numel():
+                drafter.rollback(length + verdict.num_accepted)
+
+            num_drafted = int(draft_tokens.numel())
+            verify_tokens = num_drafted + 1
 
         # 5. learn
-        num_drafted = int(draft_tokens.numel())
         policy.observe(num_drafted, verdict.num_accepted, proposal.draft_time, proposal.draft_forwards,
-                       num_drafted + 1, verify_time)
+                       verify_tokens, verify_time)
         stats.draft_time_s += proposal.draft_time
         stats.draft_forwards += proposal.draft_forwards
 
         # 6. emit / stop
         new_tokens = torch.cat([draft_tokens[: verdict.num_accepted], torch.tensor([verdict.next_token])])
         ids, stop = _emit(inputs, emitter, stats, scores_out, ids, new_tokens, scores, verdict.num_accepted)
-        stats.record_round(num_drafted, verdict.num_accepted, int(ids.shape[1] - length), num_drafted + 1, verify_time)
+        stats.record_round(num_drafted, verdict.num_accepted, int(ids.shape[1] - length), verify_tokens, verify_time)
 
     emitter.end()
     stats.total_time_s = time.perf_counter() - start
     if drafter is not None:
         drafter.release()
     return ids, stats, tuple(scores_out)
+
+
+# -- lookahead (tree) rounds ------------------------------------------------------------------------------------------
+def _tree_round(inputs: DecodeInputs, ids: torch.LongTensor, tree: TreeProposal, drafter):
+    """Steps 2-4 for a tree proposal: one forward over [last token, window, trie] with the proposal's 4-D mask and
+    position ids, verification of the trie (``verify_tree``), and ``cache.compact`` so the cache keeps the KV of
+    the last token and of the accepted path (computed in this forward, not recomputed), nothing else.
+
+    Returns (verdict, accepted path tokens [num_accepted], processed scores of the emitted tokens, seconds).
+    """
+    layout, trie, cache = tree.layout, tree.trie, inputs.cache
+    start = ids.shape[1] - 1  # the cache holds every committed token but the last, which is input 0
+    verify_start = time.perf_counter()
+    logits = kv.forward(inputs.target, layout.input_ids, cache, num_logits=None, position_ids=layout.position_ids,
+                        attention_mask=tree.attention_mask)[:, : inputs.vocab_size]  # [L, V]
+    window_tokens = logits[layout.window_out_index].argmax(dim=-1)  # [W] next Jacobi guesses (argmax, as LADE)
+    scores = _process_tree(inputs, ids, trie, logits[layout.trie_index])  # [1 + T, V]
+    if inputs.do_sample:  # one independent sample per node: following matching children is exactly lossless
+        target_tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=inputs.generator)[:, 0]
+    else:
+        target_tokens = scores.argmax(dim=-1)  # [1 + T]
+    accepted, next_token = verify_tree(trie, target_tokens.tolist())
+    keep = accepted_input_index(trie, accepted, num_window_tokens=layout.num_tokens - len(trie))
+    kv.compact(cache, start, torch.tensor(keep, dtype=torch.long))
+    verify_time = time.perf_counter() - verify_start
+    drafter.observe_forward(window_tokens, layout.num_tokens, verify_time)
+    path_tokens = torch.tensor([trie.tokens[node] for node in accepted], dtype=torch.long)
+    path_scores = scores[[0] + [1 + node for node in accepted]]  # rows of the emitted tokens
+    return Verdict(len(accepted), next_token), path_tokens, path_scores, verify_time
+
+
+def _process_tree(inputs: DecodeInputs, ids: torch.LongTensor, trie, logits: torch.Tensor) -> torch.Tensor:
+    """Logits processors at the last token (row 0) and at every node (row 1 + i), each with its own prefix."""
+    if not inputs.logits_processor:
+        return logits
+    rows = [inputs.logits_processor(ids, logits[0:1])]
+    for node in range(len(trie)):
+        path = torch.tensor([[trie.tokens[n] for n in trie.path(node)]], dtype=torch.long, device=ids.device)
+        rows.append(inputs.logits_processor(torch.cat([ids, path], dim=1), logits[1 + node: 2 + node]))
+    return torch.cat(rows, dim=0)
 
 
 def _process(inputs: DecodeInputs, ids: torch.LongTensor, draft_tokens: torch.LongTensor,

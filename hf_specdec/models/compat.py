@@ -1,0 +1,405 @@
+"""``hf-specdec check``: can this draft speed up this target here, and with which k?
+
+Four questions, in order:
+
+1. Tokenizers: the draft must map every token to the same id as the target. Vocabulary sizes that differ only
+   by padding rows (Qwen2.5 7B: 152,064 rows, 0.5B: 151,936, same tokenizer) are compatible: the decoding loop
+   compares logits over the shared vocabulary. Anything else is refused with the reason.
+2. Size: the parameter ratio, next to the common "draft ~1/50 of the target" guidance. It is a proxy; what
+   matters is measured next.
+3. Cost on this hardware: ``c`` = draft forward time per token / target step time, and the verify-cost curve
+   ``v(k)`` = target forward time over k+1 new tokens / over 1 token, both on top of a ~100-token prefix,
+   median of a few repeats.
+4. Acceptance on a few prompts, by teacher forcing: the target generates greedily, then one draft forward over
+   the same sequence gives the draft's argmax at every position; ``alpha`` is the per-token agreement. Under
+   greedy decoding a chain of draft tokens starting at position i is accepted up to the first disagreement,
+   so the run lengths of agreement give the per-position acceptance and the measured E(k) exactly.
+
+Predicted speedup for k draft tokens per round::
+
+    speedup(k) = E(k) / ((k * t_draft + t_verify(k + 1)) / t_step) = E(k) / (k * c + v(k))
+
+with E(k) = (1 - alpha^(k+1)) / (1 - alpha) (i.i.d. acceptance) or the measured run-length mean.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import platform
+import shlex
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .bundles import BUNDLES
+from .loading import load_config, load_model, load_tokenizer, reference_kind, resolve_reference
+from .memory import cpu_has_bf16, footprint_bytes, resolve_device, resolve_dtype
+
+SCHEMA = "hf_specdec.check/1"
+RATIO_GUIDANCE = 1 / 50
+SPECULATIVE_MIN_SPEEDUP = 1.1
+
+BUILTIN_PROMPTS = [
+    "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict, or {} if it does not exist.\"\"\"\n",
+    "class Stack:\n    \"\"\"A last-in first-out stack backed by a Python list.\"\"\"\n\n    def __init__(self):\n",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. tokenizers
+
+
+def vocab_rows(model_or_config) -> int:
+    """Rows of the input embedding of a model, or ``vocab_size`` of a config."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return int(model_or_config.get_input_embeddings().weight.shape[0])
+    cfg = model_or_config
+    size = getattr(cfg, "vocab_size", None)
+    if size is None and hasattr(cfg, "get_text_config"):
+        size = getattr(cfg.get_text_config(), "vocab_size", None)
+    return int(size)
+
+
+def tokenizer_compatibility(target_tokenizer, draft_tokenizer, target_rows: int, draft_rows: int) -> dict:
+    """Compare token-to-id maps and vocabulary sizes.
+
+    Returns a dict with ``compatible``, ``kind`` ("identical", "padded" or "different"), ``reason``,
+    ``target_vocab_size``, ``draft_vocab_size``, ``tokenizer_size``, ``shared_vocab_size`` and ``notes``.
+    "padded" pairs share the tokenizer and differ only in embedding rows beyond it; they take the same fast
+    path as identical pairs, over the first ``shared_vocab_size`` logits.
+    """
+    tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    out: dict[str, Any] = {
+        "compatible": False, "kind": "different", "reason": None,
+        "target_vocab_size": target_rows, "draft_vocab_size": draft_rows,
+        "tokenizer_size": None, "shared_vocab_size": None, "notes": [],
+    }
+    if tv != dv:
+        only_t = [t for t in tv if t not in dv]
+        only_d = [t for t in dv if t not in tv]
+        moved = [t for t in tv if t in dv and tv[t] != dv[t]]
+        example = ""
+        if moved:
+            example = f"; e.g. {moved[0]!r} is id {tv[moved[0]]} in the target and {dv[moved[0]]} in the draft"
+        elif only_t or only_d:
+            t = (only_t or only_d)[0]
+            example = f"; e.g. {t!r} exists only in the {'target' if only_t else 'draft'}"
+        out["reason"] = (
+            f"different tokenizers: {len(tv):,} target tokens vs {len(dv):,} draft tokens, {len(moved):,} map to "
+            f"different ids, {len(only_t):,} only in the target, {len(only_d):,} only in the draft{example}. "
+            "Speculative decoding here needs one shared token-to-id map; pick a draft from the target's family."
+        )
+        return out
+    size = max(tv.values()) + 1 if tv else 0
+    out["tokenizer_size"] = size
+    if min(target_rows, draft_rows) < size:
+        who = "target" if target_rows < size else "draft"
+        out["reason"] = (f"the {who} has {min(target_rows, draft_rows):,} embedding rows but the tokenizer uses ids "
+                         f"up to {size - 1:,}")
+        return out
+    out["compatible"] = True
+    out["shared_vocab_size"] = min(target_rows, draft_rows)
+    if target_rows == draft_rows:
+        out["kind"] = "identical"
+    else:
+        out["kind"] = "padded"
+        out["notes"].append(
+            f"same tokenizer; vocabulary sizes {target_rows:,} vs {draft_rows:,} differ only by padding rows "
+            f"beyond the {size:,} tokenizer ids: logits are compared over the first {out['shared_vocab_size']:,}"
+        )
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        a, b = getattr(target_tokenizer, attr, None), getattr(draft_tokenizer, attr, None)
+        if a != b:
+            out["notes"].append(f"{attr} differs ({a} vs {b}); the target's is used")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. cost on this hardware
+
+
+def _prefix_ids(tokenizer, length: int, vocab: int) -> torch.Tensor:
+    text = "\n".join(BUILTIN_PROMPTS * 4)
+    ids = [i for i in tokenizer(text).input_ids if i < vocab] or list(range(min(vocab, 50)))
+    while len(ids) < length:
+        ids = ids + ids
+    return torch.tensor([ids[:length]])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def forward_times(model, prefix: torch.Tensor, new_tokens: Sequence[int], repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one forward over ``n`` new tokens on top of a cached ``prefix``, for each n.
+
+    The cache is cropped back to the prefix after every timed forward; repeats are interleaved over n so
+    drift (other processes, clocks) spreads evenly, and the first pass is a warm-up.
+    """
+    device = next(model.parameters()).device
+    prefix = prefix.to(device)
+    # transformers 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(prefix, use_cache=True)
+    cache, plen = getattr(out, "cache", None) or out.past_key_values, prefix.shape[1]
+    times: dict[int, list[float]] = {n: [] for n in new_tokens}
+    for r in range(repeats + 1):
+        for n in new_tokens:
+            ids = prefix[:, :n]
+            _sync(device)
+            t0 = time.perf_counter()
+            model(ids, use_cache=True, **{cache_kw: cache})
+            _sync(device)
+            if r:
+                times[n].append(time.perf_counter() - t0)
+            cache.crop(-(cache.get_seq_length() - plen))  # negative: remove that many tokens
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def measure_costs(target, draft, tokenizer, *, shared_vocab: int, max_k: int = 8, repeats: int = 5,
+                  prefix_tokens: int = 100) -> dict:
+    """``c`` and ``v(k)`` for k = 0..max_k (see the module docstring)."""
+    prefix = _prefix_ids(tokenizer, prefix_tokens, shared_vocab)
+    tt = forward_times(target, prefix, list(range(1, max_k + 2)), repeats)
+    td = forward_times(draft, prefix, [1], repeats)[1]
+    t_step = tt[1]
+    return {
+        "t_step_ms": t_step * 1e3,
+        "t_draft_ms": td * 1e3,
+        "c": td / t_step,
+        "verify_cost": {str(k): tt[k + 1] / t_step for k in range(max_k + 1)},
+        "t_verify_ms": {str(k): tt[k + 1] * 1e3 for k in range(max_k + 1)},
+        "prefix_tokens": prefix_tokens,
+        "repeats": repeats,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. acceptance by teacher forcing
+
+
+@torch.no_grad()
+def measure_acceptance(target, draft, tokenizer, prompts: Sequence[str], *, shared_vocab: int,
+                       max_new_tokens: int = 64, max_k: int = 8) -> dict:
+    """Greedy target continuation per prompt, then the draft's argmax on the same sequence (teacher forcing).
+
+    ``alpha``: fraction of generated tokens the draft predicts; ``per_position[j-1]``: probability that the
+    j-th token of a draft chain is accepted (all j tokens agree); ``per_position_conditional[j-1]``: the same
+    given the first j-1 were accepted; ``expected_tokens_measured[k]``: mean tokens per round with k drafts.
+    """
+    device = next(target.parameters()).device
+    draft_device = next(draft.parameters()).device
+    runs: list[list[int]] = []
+    matches_all: list[bool] = []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = vocab_rows(target)
+    # padding rows beyond the shared vocabulary are never emitted (as in the decoding loop, which slices logits)
+    extra = {"suppress_tokens": list(range(shared_vocab, rows))} if rows > shared_vocab else {}
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        plen = ids.shape[1]
+        seq = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                              min_new_tokens=1, pad_token_id=pad, temperature=None, top_p=None, top_k=None, **extra)
+        gen = seq[0, plen:]
+        if gen.numel() == 0:
+            continue
+        logits = draft(seq.to(draft_device)).logits[0, plen - 1:-1, :shared_vocab]
+        matches = (logits.argmax(-1).to(gen.device) == gen).tolist()
+        matches_all += matches
+        # run length of agreement starting at each generated position
+        r, run = 0, [0] * len(matches)
+        for i in range(len(matches) - 1, -1, -1):
+            r = r + 1 if matches[i] else 0
+            run[i] = r
+        runs.append(run)
+    n = len(matches_all)
+    alpha = sum(matches_all) / n if n else 0.0
+    per_pos, per_pos_cond, e_meas = [], [], {"0": 1.0}
+    for j in range(1, max_k + 1):
+        fits = [r[i] for r in runs for i in range(len(r) - j + 1)] or [x for r in runs for x in r]
+        prev = [r[i] for r in runs for i in range(len(r) - j + 1) if r[i] >= j - 1]
+        per_pos.append(sum(x >= j for x in fits) / len(fits) if fits else 0.0)
+        per_pos_cond.append(sum(x >= j for x in prev) / len(prev) if prev else 0.0)
+        e_meas[str(j)] = 1 + sum(min(x, j) for x in fits) / len(fits) if fits else 1.0
+    return {
+        "prompts": len(prompts), "tokens": n, "max_new_tokens": max_new_tokens, "alpha": alpha,
+        "per_position": per_pos, "per_position_conditional": per_pos_cond, "expected_tokens_measured": e_meas,
+    }
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k) = (1 - alpha^(k+1)) / (1 - alpha): tokens per round with k drafts, i.i.d. acceptance alpha."""
+    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predict(cost: dict, acceptance: dict, max_k: int = 8) -> list[dict]:
+    """Predicted speedup per k: E(k) / (k*c + v(k))."""
+    rows = []
+    for k in range(max_k + 1):
+        round_cost = k * cost["c"] + cost["verify_cost"][str(k)]
+        e = expected_tokens(acceptance["alpha"], k)
+        em = acceptance["expected_tokens_measured"].get(str(k), e)
+        rows.append({"k": k, "expected_tokens": e, "expected_tokens_measured": em, "round_cost": round_cost,
+                     "speedup": e / round_cost, "speedup_measured": em / round_cost})
+    return rows
+
+
+def recommend(cost: dict, prediction: list[dict]) -> dict:
+    """Mode, policy and k: speculative when the best predicted speedup (measured acceptance) is >= 1.1;
+    otherwise lookahead when verifying several tokens is nearly free (v(4) <= 1.3, its guesses cost no draft
+    forwards), else plain decoding."""
+    best = max(prediction[1:], key=lambda r: r["speedup_measured"])
+    if best["speedup_measured"] >= SPECULATIVE_MIN_SPEEDUP:
+        return {"mode": "speculative", "policy": "adaptive", "k": best["k"],
+                "predicted_speedup": best["speedup_measured"],
+                "why": f"predicted {best['speedup_measured']:.2f}x at k={best['k']} "
+                       f"(E={best['expected_tokens_measured']:.2f} tokens/round, round cost "
+                       f"{best['round_cost']:.2f} target steps); the adaptive policy starts there and follows "
+                       "the acceptance it sees"}
+    v = cost["verify_cost"]
+    v4 = v.get("4", v[max(v, key=int)])
+    if v4 <= 1.3:
+        return {"mode": "lookahead", "policy": "adaptive", "k": 4, "predicted_speedup": None,
+                "why": f"this draft does not pay off (best {best['speedup_measured']:.2f}x), but verifying 5 tokens "
+                       f"costs only {v4:.2f} target steps, so draft-free lookahead guesses are cheap to try"}
+    return {"mode": "plain", "policy": None, "k": 0, "predicted_speedup": 1.0,
+            "why": f"best predicted speedup {best['speedup_measured']:.2f}x and verifying is not cheap here "
+                   f"(v(4)={v4:.2f}): plain decoding is fastest"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# vLLM
+
+
+def serving_name(ref: str) -> str:
+    """The name vLLM should load: a bundle's hub id, else the reference itself."""
+    if reference_kind(ref) == "bundle":
+        return BUNDLES[ref.removeprefix("bundle:")].hub_id
+    return ref
+
+
+def vllm_config(target_ref: str, draft_ref: str, k: int, draft_quantize: str | None = None) -> dict:
+    """The equivalent ``vllm serve`` command with a draft-model speculative config (validated JSON)."""
+    spec: dict[str, Any] = {"method": "draft_model", "model": serving_name(draft_ref),
+                            "num_speculative_tokens": max(1, int(k))}
+    if draft_quantize == "4bit":
+        spec["quantization"] = "bitsandbytes"
+    text = json.dumps(spec)
+    if json.loads(text) != spec:  # pragma: no cover - json round trip of plain values
+        raise ValueError(f"speculative config does not round-trip through JSON: {text}")
+    command = f"vllm serve {shlex.quote(serving_name(target_ref))} --speculative-config {shlex.quote(text)}"
+    return {"command": command, "speculative_config": spec}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the whole check
+
+
+def _model_info(ref: str, resolved, rows: int) -> dict:
+    return {"ref": ref, "kind": resolved.kind, "path": resolved.path, "vocab_size": rows, "parameters": None,
+            "footprint_bytes": None, "dtype": None, "quantize": None, "load_time_s": None}
+
+
+def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None = None, max_new_tokens: int = 64,
+              draft_quantize: str | None = None, dtype: str = "auto", device: str = "cpu", cache_dir=None,
+              repeats: int = 5, max_k: int = 8, progress: bool = True, log=None) -> dict:
+    """Run the whole check and return the report (the ``--json`` object, schema in docs/models.md)."""
+    log = log or (lambda msg: None)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    prompts = list(prompts) if prompts else list(BUILTIN_PROMPTS)
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "compatible": False, "reason": None,
+        "hardware": {"device": device, "dtype": str(torch_dtype).removeprefix("torch."),
+                     "cpu_bf16": cpu_has_bf16(), "threads": torch.get_num_threads(),
+                     "processor": platform.processor() or platform.machine(),
+                     "torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "target": None, "draft": None, "tokenizer": None,
+        "parameter_ratio": None, "parameter_ratio_guidance": RATIO_GUIDANCE,
+        "cost": None, "acceptance": None, "prediction": None, "recommendation": None, "vllm": None,
+    }
+    # 1. tokenizers and configs only: an incompatible pair is refused before any weights load
+    rt = resolve_reference(target_ref, cache_dir=cache_dir, progress=progress)
+    rd = resolve_reference(draft_ref, cache_dir=cache_dir, progress=progress)
+    tok_t, tok_d = load_tokenizer(rt), load_tokenizer(rd)
+    rows_t, rows_d = vocab_rows(load_config(rt)), vocab_rows(load_config(rd))
+    report["target"], report["draft"] = _model_info(target_ref, rt, rows_t), _model_info(draft_ref, rd, rows_d)
+    compat = tokenizer_compatibility(tok_t, tok_d, rows_t, rows_d)
+    report["tokenizer"] = compat
+    report["compatible"], report["reason"] = compat["compatible"], compat["reason"]
+    if not compat["compatible"]:
+        return report
+
+    # 2. load and size
+    log("loading target and draft...")
+    target, _ = load_model(target_ref, dtype=torch_dtype, device=device, cache_dir=cache_dir, progress=progress)
+    draft, _ = load_model(draft_ref, dtype=torch_dtype, quantize=draft_quantize, device=device,
+                          cache_dir=cache_dir, progress=progress)
+    for info, model in ((report["target"], target), (report["draft"], draft)):
+        info["parameters"] = model.num_parameters()
+        info["footprint_bytes"] = footprint_bytes(model)
+        info["dtype"] = model.hf_specdec_load_info["dtype"]
+        info["quantize"] = model.hf_specdec_load_info["quantize"]
+        info["load_time_s"] = model.hf_specdec_load_info["load_time_s"]
+    report["parameter_ratio"] = report["draft"]["parameters"] / report["target"]["parameters"]
+    shared = compat["shared_vocab_size"]
+
+    # 3. cost, 4. acceptance, prediction
+    log(f"measuring c and v(k) for k=0..{max_k} ({repeats} repeats)...")
+    report["cost"] = measure_costs(target, draft, tok_t, shared_vocab=shared, max_k=max_k, repeats=repeats)
+    log(f"measuring acceptance on {len(prompts)} prompts ({max_new_tokens} greedy tokens each)...")
+    report["acceptance"] = measure_acceptance(target, draft, tok_t, prompts, shared_vocab=shared,
+                                              max_new_tokens=max_new_tokens, max_k=max_k)
+    report["prediction"] = predict(report["cost"], report["acceptance"], max_k)
+    report["recommendation"] = recommend(report["cost"], report["prediction"])
+    report["vllm"] = vllm_config(target_ref, draft_ref, report["recommendation"]["k"] or 1, draft_quantize)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The human-readable form of a check report."""
+    gb = lambda b: f"{b / 1e9:.2f} GB" if b is not None else "?"  # noqa: E731
+    lines = []
+    t, d, tok = report["target"], report["draft"], report["tokenizer"]
+    lines.append(f"target  {t['ref']}  ({t['path']})")
+    lines.append(f"draft   {d['ref']}  ({d['path']})")
+    h = report["hardware"]
+    lines.append(f"hardware  {h['device']} ({h['processor']}, {h['threads']} threads), dtype {h['dtype']}, "
+                 f"cpu bf16: {h['cpu_bf16']}")
+    lines.append("")
+    if not report["compatible"]:
+        lines.append(f"INCOMPATIBLE: {report['reason']}")
+        return "\n".join(lines)
+    lines.append(f"tokenizer  compatible ({tok['kind']}), vocab {tok['target_vocab_size']:,} / "
+                 f"{tok['draft_vocab_size']:,}, shared {tok['shared_vocab_size']:,}")
+    for note in tok["notes"]:
+        lines.append(f"  note: {note}")
+    ratio = report["parameter_ratio"]
+    lines.append(f"parameters  target {t['parameters'] / 1e6:,.0f}M, draft {d['parameters'] / 1e6:,.0f}M: "
+                 f"ratio 1/{1 / ratio:.1f} (common guidance ~1/50; the measured cost below is what counts)")
+    lines.append(f"memory  target {gb(t['footprint_bytes'])} ({t['dtype']}), draft {gb(d['footprint_bytes'])} "
+                 f"({d['quantize'] or d['dtype']})")
+    c = report["cost"]
+    lines.append(f"cost  target step {c['t_step_ms']:.1f} ms, draft step {c['t_draft_ms']:.1f} ms: c = {c['c']:.3f}")
+    lines.append("verify cost v(k) (k+1 tokens vs 1): " +
+                 "  ".join(f"{k}:{v:.2f}" for k, v in c["verify_cost"].items()))
+    a = report["acceptance"]
+    lines.append(f"acceptance  alpha = {a['alpha']:.3f} over {a['tokens']} tokens from {a['prompts']} prompts; "
+                 "per position " + " ".join(f"{p:.2f}" for p in a["per_position"]))
+    lines.append("")
+    lines.append("  k   E(k) alpha  E(k) measured  round cost  speedup  speedup (measured E)")
+    for r in report["prediction"]:
+        lines.append(f"  {r['k']:<3d} {r['expected_tokens']:10.2f}  {r['expected_tokens_measured']:13.2f}  "
+                     f"{r['round_cost']:10.2f}  {r['speedup']:6.2f}x  {r['speedup_measured']:6.2f}x")
+    rec = report["recommendation"]
+    lines.append("")
+    lines.append(f"recommended: mode={rec['mode']} policy={rec['policy']} k={rec['k']}: {rec['why']}")
+    lines.append(f"vLLM: {report['vllm']['command']}")
+    return "\n".join(lines)

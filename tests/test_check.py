@@ -1,0 +1,180 @@
+"""`hf-specdec check`: tokenizer compatibility (equal, padded, different vocabularies), the cost model,
+teacher-forced acceptance, the vLLM command, exit codes and the --json schema, on tiny random models."""
+
+import json
+import shlex
+
+import pytest
+import torch
+
+from hf_specdec.models import compat
+from hf_specdec.models._testing import tiny_model_dir, tiny_tokenizer
+from hf_specdec.models.cli import main as cli_main
+
+FAST = ["--repeats", "1", "--max-k", "3", "--max-new-tokens", "6", "--dtype", "fp32"]
+TOP_KEYS = {"schema", "compatible", "reason", "hardware", "target", "draft", "tokenizer", "parameter_ratio",
+            "parameter_ratio_guidance", "cost", "acceptance", "prediction", "recommendation", "vllm"}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check")
+    size = len(tiny_tokenizer().get_vocab())
+    return {
+        "target": tiny_model_dir(root / "target", seed=0, layers=2),
+        "draft": tiny_model_dir(root / "draft", seed=1, layers=1),
+        "padded": tiny_model_dir(root / "padded", seed=2, layers=1, vocab_size=size + 12),
+        "other": tiny_model_dir(root / "other", tokenizer=tiny_tokenizer(permute=True), seed=3, layers=1),
+    }
+
+
+def _check(capsys, *argv):
+    code = cli_main(["check", *argv])
+    return code, capsys.readouterr()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tokenizer compatibility
+
+
+def test_compat_identical_padded_different():
+    a, b = tiny_tokenizer(), tiny_tokenizer()
+    n = len(a.get_vocab())
+    same = compat.tokenizer_compatibility(a, b, n, n)
+    assert same["compatible"] and same["kind"] == "identical" and same["shared_vocab_size"] == n
+    padded = compat.tokenizer_compatibility(a, b, n + 128, n)  # e.g. Qwen2.5 7B 152,064 vs 0.5B 151,936
+    assert padded["compatible"] and padded["kind"] == "padded" and padded["shared_vocab_size"] == n
+    assert "padding" in padded["notes"][0]
+    diff = compat.tokenizer_compatibility(a, tiny_tokenizer(permute=True), n, n)
+    assert not diff["compatible"] and diff["kind"] == "different" and "different ids" in diff["reason"]
+    short = compat.tokenizer_compatibility(a, b, n, n - 1)
+    assert not short["compatible"] and "embedding rows" in short["reason"]
+
+
+def test_qwen_like_padding_sizes():
+    a = tiny_tokenizer()
+    r = compat.tokenizer_compatibility(a, tiny_tokenizer(), 152_064, 151_936)
+    assert r["compatible"] and r["shared_vocab_size"] == 151_936
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cost model and acceptance
+
+
+def test_expected_tokens_and_prediction():
+    assert compat.expected_tokens(0.0, 4) == 1.0
+    assert compat.expected_tokens(1.0, 4) == 5.0
+    assert compat.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    cost = {"c": 0.05, "verify_cost": {"0": 1.0, "1": 1.1, "2": 1.2}}
+    acc = {"alpha": 0.5, "expected_tokens_measured": {"0": 1.0, "1": 1.5, "2": 1.75}}
+    rows = compat.predict(cost, acc, 2)
+    assert [r["k"] for r in rows] == [0, 1, 2] and rows[0]["speedup"] == pytest.approx(1.0)
+    assert rows[2]["speedup"] == pytest.approx(1.75 / (2 * 0.05 + 1.2))
+    rec = compat.recommend(cost, rows)
+    assert rec["mode"] == "speculative" and rec["policy"] == "adaptive" and rec["k"] == 2
+    slow = {"c": 2.0, "verify_cost": {str(k): 1.0 + k for k in range(5)}}
+    assert compat.recommend(slow, compat.predict(slow, acc | {"alpha": 0.1}, 2))["mode"] == "plain"
+    cheap = {"c": 2.0, "verify_cost": {str(k): 1.0 + 0.01 * k for k in range(5)}}
+    assert compat.recommend(cheap, compat.predict(cheap, acc, 4))["mode"] == "lookahead"
+
+
+def test_acceptance_of_a_model_with_itself_is_one(dirs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
+    tok = AutoTokenizer.from_pretrained(dirs["target"])
+    acc = compat.measure_acceptance(model, model, tok, ["def sort the list", "import json"], shared_vocab=
+                                    model.config.vocab_size, max_new_tokens=5, max_k=3)
+    assert acc["tokens"] > 0 and acc["alpha"] == 1.0
+    assert acc["per_position"] == [1.0, 1.0, 1.0] and acc["expected_tokens_measured"]["3"] == 4.0
+
+
+def test_forward_times_restore_cache(dirs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
+    times = compat.forward_times(model, torch.arange(4, 20)[None], [1, 2, 3], repeats=2)
+    assert set(times) == {1, 2, 3} and all(t > 0 for t in times.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vLLM
+
+
+def test_vllm_config():
+    v = compat.vllm_config("qwen2.5-coder-1.5b-instruct", "bundle:qwen2.5-coder-0.5b-instruct", 4, "4bit")
+    argv = shlex.split(v["command"])
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen2.5-Coder-1.5B-Instruct"] and argv[3] == "--speculative-config"
+    spec = json.loads(argv[4])
+    assert spec == {"method": "draft_model", "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                    "num_speculative_tokens": 4, "quantization": "bitsandbytes"} == v["speculative_config"]
+    plain = compat.vllm_config("/models/t", "/models/d", 3)
+    assert "quantization" not in json.loads(shlex.split(plain["command"])[4])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI: exit codes and the JSON schema
+
+
+def test_check_compatible_json(dirs, capsys):
+    code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["draft"]), "--json", *FAST)
+    assert code == 0, out.err
+    report = json.loads(out.out)
+    assert set(report) == TOP_KEYS and report["schema"] == compat.SCHEMA
+    assert report["compatible"] and report["reason"] is None and report["tokenizer"]["kind"] == "identical"
+    assert 0 < report["parameter_ratio"] < 1 and report["parameter_ratio_guidance"] == pytest.approx(0.02)
+    for who in ("target", "draft"):
+        assert {"ref", "kind", "path", "vocab_size", "parameters", "footprint_bytes", "dtype", "quantize",
+                "load_time_s"} <= set(report[who]) and report[who]["footprint_bytes"] > 0
+    cost = report["cost"]
+    assert cost["c"] > 0 and list(cost["verify_cost"]) == ["0", "1", "2", "3"] and cost["verify_cost"]["0"] == 1.0
+    acc = report["acceptance"]
+    assert 0 <= acc["alpha"] <= 1 and len(acc["per_position"]) == 3 and acc["tokens"] > 0
+    assert [r["k"] for r in report["prediction"]] == [0, 1, 2, 3]
+    assert {"k", "expected_tokens", "expected_tokens_measured", "round_cost", "speedup", "speedup_measured"} \
+        <= set(report["prediction"][1])
+    rec = report["recommendation"]
+    assert rec["mode"] in ("speculative", "lookahead", "plain") and {"policy", "k", "why"} <= set(rec)
+    spec = json.loads(shlex.split(report["vllm"]["command"])[4])
+    assert spec["method"] == "draft_model" and spec["model"] == str(dirs["draft"])
+
+
+def test_check_padded_vocab_is_compatible(dirs, capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def merge the list"}\n\n{"prompt": "class stack"}\n')
+    code, out = _check(capsys, "--target", str(dirs["padded"]), "--draft", str(dirs["draft"]), "--json",
+                       "--prompts", str(prompts), *FAST)
+    assert code == 0, out.err
+    report = json.loads(out.out)
+    tok = report["tokenizer"]
+    assert tok["kind"] == "padded" and tok["shared_vocab_size"] == tok["draft_vocab_size"] < tok["target_vocab_size"]
+    assert report["acceptance"]["prompts"] == 2
+
+
+def test_check_human_output(dirs, capsys):
+    code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["draft"]), *FAST)
+    assert code == 0 and "recommended: mode=" in out.out and "vllm serve" in out.out and "c = " in out.out
+
+
+def test_check_different_tokenizers_refused(dirs, capsys):
+    code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["other"]), "--json", *FAST)
+    assert code == 1
+    report = json.loads(out.out)
+    assert set(report) == TOP_KEYS and not report["compatible"] and "different tokenizers" in report["reason"]
+    assert report["cost"] is None and report["vllm"] is None
+    code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["other"]), *FAST)
+    assert code == 1 and "INCOMPATIBLE" in out.out
+
+
+def test_check_usage_errors(dirs, capsys, tmp_path):
+    t, d = str(dirs["target"]), str(dirs["draft"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    assert _check(capsys, "--target", t, "--draft", d, "--prompts", str(bad))[0] == 2
+    assert _check(capsys, "--target", t, "--draft", d, "--prompts", str(tmp_path / "missing.jsonl"))[0] == 2
+    assert _check(capsys, "--target", t, "--draft", d, "--max-new-tokens", "0")[0] == 2
+    assert _check(capsys, "--target", str(tmp_path / "no-model-here"), "--draft", d)[0] == 2
+    assert _check(capsys, "--target", "bundle:no-such-bundle", "--draft", d)[0] == 2
+    with pytest.raises(SystemExit) as e:
+        cli_main(["check", "--draft-quantize", "3bit"])
+    assert e.value.code == 2

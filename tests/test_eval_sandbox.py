@@ -1,0 +1,81 @@
+"""The sandbox stops runaway or hostile generated code and scores it as a failure; correct code passes."""
+
+import pytest
+
+from eval.sandbox import Limits, isolation, run_program
+
+LIMITS = Limits(timeout_s=2.0, cpu_s=2, memory_mb=512)
+
+GOOD = "def add(a, b):\n    return a + b\n\nassert add(2, 3) == 5\n"
+
+
+def test_correct_solution_passes():
+    result = run_program(GOOD, LIMITS)
+    assert result.passed and result.status == "passed"
+
+
+def test_failing_assertion_fails():
+    result = run_program("assert 1 == 2\n", LIMITS)
+    assert not result.passed and "AssertionError" in result.stderr_tail
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param("while True:\n    pass\n", id="infinite-loop"),
+        pytest.param("import time\ntime.sleep(60)\n", id="sleep"),
+    ],
+)
+def test_runaway_is_killed(program):
+    result = run_program(program, LIMITS)
+    assert not result.passed
+    assert result.status == "timeout" or result.status.startswith("killed")
+    assert result.duration_s < LIMITS.timeout_s + 3
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param("import os\nwhile True:\n    os.fork()\n", id="os.fork"),
+        # bypasses the preamble's os.fork guard: only RLIMIT_NPROC / the group kill stop it
+        pytest.param("import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n",
+                     id="posix.fork"),
+    ],
+)
+def test_fork_bomb_is_stopped(program):
+    result = run_program(program, LIMITS)
+    assert not result.passed
+    assert result.duration_s < LIMITS.timeout_s + 3
+    # nothing of the group survives: a later program still runs normally
+    assert run_program(GOOD, LIMITS).passed
+
+
+def test_large_allocation_fails():
+    result = run_program("x = bytearray(8 * 1024 ** 3)\nprint(len(x))\n", LIMITS)
+    assert not result.passed and "MemoryError" in result.stderr_tail
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\n", id="socket"),
+        pytest.param("import _socket\ns = _socket.socket()\ns.settimeout(1)\ns.connect(('1.1.1.1', 80))\n",
+                     id="_socket"),
+        pytest.param("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)\n", id="urllib"),
+    ],
+)
+def test_network_is_blocked(program, request):
+    if request.node.callspec.id == "_socket" and isolation()[0] == "preamble":
+        pytest.skip("no network namespace here: raw _socket is only blocked by unshare")
+    result = run_program(program, LIMITS)
+    assert not result.passed
+
+
+@pytest.mark.parametrize("program", ["import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n"])
+def test_early_exit_cannot_fake_a_pass(program):
+    assert not run_program(program + "assert False\n", LIMITS).passed
+
+
+def test_runs_in_own_temp_dir_and_cleans_up():
+    program = "import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())\nassert 'eval_sandbox_' in os.getcwd()\n"
+    assert run_program(program, LIMITS).passed

