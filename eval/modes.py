@@ -2,20 +2,18 @@
 
 Modes
 -----
-==================== ======================================================================================
-``plain``            transformers ``generate`` (greedy or sampling), no speculation: the baseline
-``hf_assisted``      transformers assisted generation with ``assistant_model=draft``, transformers' defaults
-                     (num_assistant_tokens=20, "constant", confidence stop 0.4 with ROC re-tuning)
-``hf_assisted_k3/5`` transformers assisted generation with a fixed k: the draft's generation_config gets
-                     ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and
-                     ``assistant_confidence_threshold=0`` (off, else k is not fixed), restored afterwards
-                     (kwargs to ``generate`` are ignored by transformers for these)
-``hf_prompt_lookup`` transformers prompt lookup, ``prompt_lookup_num_tokens=10`` (max_matching_ngram_size 2)
-``specdec_adaptive`` hf_specdec, ``SpecConfig(policy="adaptive")``
-``specdec_fixed``    hf_specdec, ``SpecConfig(policy="fixed", num_draft_tokens=--spec-k)``
-``specdec_heuristic````SpecConfig(policy="heuristic", num_draft_tokens=--spec-k)`` (transformers' +2/-1 rule)
-``lookahead``        hf_specdec lookahead decoding, ``LookaheadConfig()`` (auto W, N, G), no draft model
-==================== ======================================================================================
+- ``plain``: transformers ``generate`` (greedy or sampling), no speculation: the baseline.
+- ``hf_assisted``: transformers assisted generation with ``assistant_model=draft`` and transformers' defaults
+  (num_assistant_tokens=20, "constant", confidence stop 0.4 with ROC re-tuning).
+- ``hf_assisted_k3`` / ``hf_assisted_k5``: transformers assisted generation with a fixed k. The draft's
+  generation_config gets ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and
+  ``assistant_confidence_threshold=0`` (off, else k is not fixed), restored afterwards (transformers ignores
+  kwargs to ``generate`` for these).
+- ``hf_prompt_lookup``: transformers prompt lookup, ``prompt_lookup_num_tokens=10`` (max_matching_ngram_size 2).
+- ``specdec_adaptive``: hf_specdec, ``SpecConfig(policy="adaptive")``.
+- ``specdec_fixed``: hf_specdec, ``SpecConfig(policy="fixed", num_draft_tokens=--spec-k)``.
+- ``specdec_heuristic``: hf_specdec, ``SpecConfig(policy="heuristic", num_draft_tokens=--spec-k)`` (+2/-1 rule).
+- ``lookahead``: hf_specdec lookahead decoding, ``LookaheadConfig()`` (auto W, N, G), no draft model.
 
 transformers' own modes always run on the unmodified transformers ``generate``: they call
 ``type(model).generate(model, ...)``, which skips the per-instance override that ``hf_specdec.enable`` installs.

@@ -104,3 +104,10 @@ def forward(
     if num_logits is not None and logits.shape[0] > num_logits:
         logits = logits[-num_logits:]
     return logits.float()
+
+
+def forward_hidden(base_model, input_ids: torch.LongTensor, cache: Cache) -> torch.Tensor:
+    """Forward of a base (headless) model over ``input_ids`` [1, n] appended to ``cache``: hidden states [n, H]."""
+    params = _forward_params(type(base_model))
+    kwargs = {("cache" if "cache" in params else "past_key_values"): cache, "use_cache": True}
+    return base_model(input_ids=input_ids, **kwargs).last_hidden_state[0]

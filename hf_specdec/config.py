@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 POLICIES = ("adaptive", "fixed", "heuristic")
+Auto = Literal["auto"]
 
 
 def _fail(cls_name: str, field: str, got: Any, allowed: str) -> None:
@@ -65,6 +66,16 @@ class SpecConfig(_FromDict):
         Adaptive only: while speculation is off, draft again after this many plain rounds to re-measure.
     decay:
         Adaptive only: weight kept by old observations per round (exponential forgetting), in (0, 1].
+    history_lookup:
+        Adaptive only: after the draft model's tokens, append the continuation that followed the same tokens
+        earlier in the prompt or the output (prompt lookup), as long as the measured verify cost says the extra
+        tokens are nearly free. They cost no draft forward; verification keeps output exact.
+    draft_vocab_size:
+        Compute the draft's output layer over only this many token ids (the first ids of a BPE vocabulary are
+        its most frequent tokens), plus every prompt token and the special tokens. On a memory-bound CPU the
+        draft's output layer over a 150k vocabulary costs as much as its 4-bit body. The target still scores
+        every token, so output is unchanged; only what the draft can propose narrows. ``"auto"``: 32768 when
+        the vocabulary is larger than 65536, else off; ``None``: off.
     """
 
     policy: Literal["adaptive", "fixed", "heuristic"] = "adaptive"
@@ -73,6 +84,8 @@ class SpecConfig(_FromDict):
     confidence_stop: bool = True
     probe_interval: int = 16
     decay: float = 0.95
+    history_lookup: bool = True
+    draft_vocab_size: Union[int, Auto, None] = "auto"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -84,9 +97,10 @@ class SpecConfig(_FromDict):
             _fail(name, "confidence_stop", self.confidence_stop, "use True or False")
         _check_int(name, "probe_interval", self.probe_interval, 1)
         _check_float(name, "decay", self.decay, 0.5, 1.0)
-
-
-Auto = Literal["auto"]
+        if not isinstance(self.history_lookup, bool):
+            _fail(name, "history_lookup", self.history_lookup, "use True or False")
+        if self.draft_vocab_size not in ("auto", None):
+            _check_int(name, "draft_vocab_size", self.draft_vocab_size, 16)
 
 
 @dataclass(frozen=True)

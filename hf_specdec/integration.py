@@ -72,6 +72,9 @@ def speculative_generate(
         vocab_size=inputs.vocab_size,
         need_confidence=getattr(policy, "needs_confidence", False),
         generator=inputs.generator,
+        draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
+        special_token_ids=_special_token_ids(generation_config),
+        free_tokens=policy.free_tokens if config.policy == "adaptive" and config.history_lookup else None,
     )
     return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="speculative"))
 
@@ -105,6 +108,22 @@ def _as_config(value, cls, name):
     if not isinstance(value, cls):
         raise ValueError(f"{name} must be a {cls.__name__} or a dict of its fields, got {type(value).__name__}.")
     return value
+
+
+def _draft_vocab_size(config: SpecConfig, vocab_size: int) -> int | None:
+    if config.draft_vocab_size == "auto":
+        return 32768 if vocab_size > 65536 else None
+    return config.draft_vocab_size
+
+
+def _special_token_ids(generation_config: GenerationConfig) -> tuple[int, ...]:
+    ids = []
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = getattr(generation_config, name, None)
+        if value is None:
+            continue
+        ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    return tuple(int(i) for i in ids)
 
 
 def _vocab_size(model) -> int:

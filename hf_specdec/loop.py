@@ -102,6 +102,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter | None, policy: DraftLengthPol
                 proposal = drafter.propose(ids, k, policy.keep_drafting)
             except Exception as error:
                 drafter = _drop_drafter(error, drafter, stats)
+        if proposal.tree is None and proposal.num_tokens > budget:  # lookup tokens may run past the length limit
+            proposal = _truncate(proposal, budget)
         draft_tokens = proposal.token_ids.to(ids.device)
 
         if proposal.tree is not None:
@@ -137,9 +139,12 @@ def decode(inputs: DecodeInputs, drafter: Drafter | None, policy: DraftLengthPol
             num_drafted = int(draft_tokens.numel())
             verify_tokens = num_drafted + 1
 
-        # 5. learn
-        policy.observe(num_drafted, verdict.num_accepted, proposal.draft_time, proposal.draft_forwards,
+        # 5. learn (the policy chose only the draft model's tokens, not the prompt-lookup ones after them)
+        chosen = num_drafted - proposal.num_lookup_tokens
+        policy.observe(chosen, min(verdict.num_accepted, chosen), proposal.draft_time, proposal.draft_forwards,
                        verify_tokens, verify_time)
+        stats.lookup_drafted += proposal.num_lookup_tokens
+        stats.lookup_accepted += max(0, verdict.num_accepted - chosen)
         stats.draft_time_s += proposal.draft_time
         stats.draft_forwards += proposal.draft_forwards
 
@@ -193,6 +198,18 @@ def _process_tree(inputs: DecodeInputs, ids: torch.LongTensor, trie, logits: tor
         path = torch.tensor([[trie.tokens[n] for n in trie.path(node)]], dtype=torch.long, device=ids.device)
         rows.append(inputs.logits_processor(torch.cat([ids, path], dim=1), logits[1 + node: 2 + node]))
     return torch.cat(rows, dim=0)
+
+
+def _truncate(proposal: Proposal, budget: int) -> Proposal:
+    """Keep the first ``budget`` tokens of a chain proposal."""
+    lookup = max(0, proposal.num_lookup_tokens - (proposal.num_tokens - budget))
+    return Proposal(
+        token_ids=proposal.token_ids[:budget],
+        draft_probs=None if proposal.draft_probs is None else proposal.draft_probs[:budget],
+        draft_time=proposal.draft_time,
+        draft_forwards=proposal.draft_forwards,
+        num_lookup_tokens=lookup,
+    )
 
 
 def _process(inputs: DecodeInputs, ids: torch.LongTensor, draft_tokens: torch.LongTensor,

@@ -59,6 +59,8 @@ class DraftLengthPolicy(Protocol):
     def observe(self, drafted: int, accepted: int, draft_time: float, draft_forwards: int,
                 verify_tokens: int, verify_time: float) -> None: ...
 
+    def free_tokens(self, num_tokens: int, limit: int) -> int: ...
+
 
 class FixedPolicy:
     needs_confidence = False
@@ -74,6 +76,9 @@ class FixedPolicy:
 
     def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
         pass
+
+    def free_tokens(self, num_tokens: int, limit: int) -> int:
+        return 0
 
 
 class HeuristicPolicy(FixedPolicy):
@@ -193,6 +198,24 @@ class AdaptivePolicy:
         gain = all_kept * self.alpha(num_drafted + 1)
         extra_time = t_d + max(0.0, t_next - t_now)
         return gain / extra_time > emitted / (num_drafted * t_d + t_now)
+
+    FREE_COST = 1.10  # "nearly free": at most 10% more verify time
+    MAX_FREE = 16
+
+    def free_tokens(self, num_tokens: int, limit: int) -> int:
+        """How many more tokens a verify forward over ``num_tokens`` can carry for at most 10% more time.
+
+        Used to append prompt-lookup continuations after the draft tokens (SpecConfig.history_lookup).
+        """
+        base = self.t_verify(num_tokens) if self.config.history_lookup else None
+        if base is None:
+            return 0
+        free = 0
+        for extra in range(1, min(limit, self.MAX_FREE) + 1):
+            if self.t_verify(num_tokens + extra) > self.FREE_COST * base:
+                break
+            free = extra
+        return free
 
     # -- learning -------------------------------------------------------------------------------------------------
     def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:

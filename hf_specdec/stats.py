@@ -41,6 +41,8 @@ class SpecStats:
     total_time_s: float = 0.0
     ttft_s: float | None = None
     verify_time_by_tokens: dict[int, list[float]] = field(default_factory=dict)
+    lookup_drafted: int = 0  # prompt-lookup tokens appended after the draft model's (SpecConfig.history_lookup)
+    lookup_accepted: int = 0
     fell_back: str | None = None  # why speculation was switched off for the rest of the call (e.g. out of memory)
 
     # -- recording (called by the loop) ---------------------------------------------------------------------

@@ -173,6 +173,7 @@ def test_check_usage_errors(dirs, capsys, tmp_path):
     assert _check(capsys, "--target", t, "--draft", d, "--prompts", str(bad))[0] == 2
     assert _check(capsys, "--target", t, "--draft", d, "--prompts", str(tmp_path / "missing.jsonl"))[0] == 2
     assert _check(capsys, "--target", t, "--draft", d, "--max-new-tokens", "0")[0] == 2
+    assert _check(capsys, "--target", t, "--draft", d, "--threads", "0")[0] == 2
     assert _check(capsys, "--target", str(tmp_path / "no-model-here"), "--draft", d)[0] == 2
     assert _check(capsys, "--target", "bundle:no-such-bundle", "--draft", d)[0] == 2
     with pytest.raises(SystemExit) as e:

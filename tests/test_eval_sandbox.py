@@ -79,3 +79,21 @@ def test_early_exit_cannot_fake_a_pass(program):
 def test_runs_in_own_temp_dir_and_cleans_up():
     program = "import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())\nassert 'eval_sandbox_' in os.getcwd()\n"
     assert run_program(program, LIMITS).passed
+
+
+def test_hostile_completions_are_scored_as_failures(tmp_path):
+    """Through the report's scoring path: HumanEval/2 (truncate_number) completions."""
+    from eval.report import output_hash, score_rows
+
+    completions = {
+        "correct": "    return number % 1.0\n",
+        "loop": "    while True:\n        pass\n",
+        "fork": "    import os\n    while True:\n        os.fork()\n",
+        "alloc": "    x = bytearray(8 * 1024 ** 3)\n    return number % 1.0\n",
+        "network": "    import socket\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\n    return number % 1.0\n",
+    }
+    rows = [{"task": "humaneval", "prompt_id": "HumanEval/2", "mode": name, "repeat": 0, "seed": 0,
+             "style": "completion", "text": text} for name, text in completions.items()]
+    results = score_rows(tmp_path, rows, LIMITS)
+    passed = {r["mode"]: results[output_hash(r)]["passed"] for r in rows}
+    assert passed == {"correct": True, "loop": False, "fork": False, "alloc": False, "network": False}

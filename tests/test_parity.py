@@ -125,3 +125,41 @@ def test_adaptive_policy_turns_speculation_off_for_a_useless_draft(target, rando
     speculative(target, random_draft, prompt, "adaptive")
     stats = target.last_spec_stats
     assert stats.rounds_spec_off > stats.rounds // 2
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 256, 40])
+def test_narrow_draft_head_keeps_output(target, close_draft, prompt, draft_vocab_size):
+    """draft_vocab_size narrows what the draft can propose, never what is returned."""
+    config = hf_specdec.SpecConfig(policy="fixed", num_draft_tokens=4, draft_vocab_size=draft_vocab_size)
+    out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=close_draft,
+                          spec_config=config, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, plain(target, prompt))
+
+
+def test_narrow_draft_head_only_proposes_kept_tokens(target, close_draft, prompt):
+    from hf_specdec.drafters.draft_model import DraftModelDrafter
+    from transformers import LogitsProcessorList
+
+    drafter = DraftModelDrafter(close_draft, LogitsProcessorList(), do_sample=True, vocab_size=96,
+                                need_confidence=False, draft_vocab_size=20)
+    drafter.prefill(prompt)
+    kept = set(range(20)) | set(prompt[0].tolist())
+    for _ in range(5):
+        proposal = drafter.propose(prompt, 6, lambda i, c: True)
+        assert set(proposal.token_ids.tolist()) <= kept
+        outside = [t for t in range(96) if t not in kept]
+        assert float(proposal.draft_probs[:, outside].sum()) == 0.0
+        drafter.rollback(prompt.shape[1] - 1)
+
+
+def test_history_lookup_appends_repeated_text_and_keeps_output():
+    """On a prompt that repeats itself, prompt-lookup tokens ride along after the draft and get accepted."""
+    model = tiny_model("llama", seed=5)
+    draft = perturbed_copy(model, 0.05)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38] * 4])
+    expected = plain(model, prompt)
+    out = speculative(model, draft, prompt, "adaptive")
+    assert torch.equal(out, expected)
+    stats = model.last_spec_stats
+    if expected[0, prompt.shape[1]:prompt.shape[1] + 10].tolist() == prompt[0, :10].tolist():
+        assert stats.lookup_accepted > 0

@@ -24,6 +24,7 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [k, vocab] the distribution each token was sampled from; None = deterministic
     draft_time: float = 0.0  # seconds spent proposing (draft forwards, lookups)
     draft_forwards: int = 0  # draft-model forwards run for this proposal
+    num_lookup_tokens: int = 0  # trailing tokens appended from prompt lookup (not chosen by the draft-length policy)
     # lookahead: a candidate trie plus Jacobi-window tokens, with their 4-D mask and position ids
     # (layout.py). The loop then verifies the trie instead of the chain ``token_ids``, and calls the
     # drafter's ``observe_forward(window_tokens [W], num_tokens, seconds)`` after the forward.

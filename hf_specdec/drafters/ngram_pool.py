@@ -87,7 +87,7 @@ class HistoryIndex:
                 self._ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
     def continuations(
-        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 8
+        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 8, min_match: int = 1
     ) -> list[tuple[int, ...]]:
         """Up to ``limit`` distinct continuations (each at most ``max_len`` tokens) of ``history + suffix``.
 
@@ -99,7 +99,7 @@ class HistoryIndex:
             return []
         found: list[tuple[int, ...]] = []
         seen: set[tuple[int, ...]] = set()
-        for n in range(min(self.max_match, len(context)), 0, -1):
+        for n in range(min(self.max_match, len(context)), max(min_match, 1) - 1, -1):
             ends = self._ends.get(tuple(context[-n:]), [])
             scanned = 0
             for end in reversed(ends):

@@ -128,6 +128,13 @@ def cmd_check(args) -> int:
         except (OSError, ValueError) as e:
             _err(f"--prompts: {e}")
             return EXIT_USAGE
+    if args.threads is not None:
+        if args.threads < 1:
+            _err("--threads must be >= 1")
+            return EXIT_USAGE
+        import torch
+
+        torch.set_num_threads(args.threads)
     log = (lambda msg: print(f"[hf_specdec] {msg}", file=sys.stderr, flush=True))
     quantize = None if args.draft_quantize == "none" else args.draft_quantize
     try:
@@ -169,6 +176,8 @@ def _add_check(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats, the median is used (default 5)")
     p.add_argument("--max-k", type=int, default=8, help="largest draft length to evaluate (default 8)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 avoids oversubscription on a busy machine)")
     _add_cache_args(p)
     p.set_defaults(func=cmd_check)
 
