@@ -86,7 +86,7 @@ def forward(
     input_ids: torch.LongTensor,  # [1, n] new tokens
     cache: Cache,
     *,
-    num_logits: int | None = 1,  # logits for the last ``num_logits`` positions (None: all)
+    num_logits: int | torch.LongTensor | None = 1,  # last ``num_logits`` positions, or [m] input indices, or None: all
     position_ids: torch.LongTensor | None = None,  # [1, n], default: continue after the cache
     attention_mask: torch.Tensor | None = None,  # 4-D [1, 1, n, past + n] (tree/lookahead) or None (causal)
 ) -> torch.Tensor:
@@ -101,8 +101,11 @@ def forward(
         kwargs["attention_mask"] = attention_mask
     outputs = model(input_ids=input_ids, **kwargs)
     logits = outputs.logits[0]
-    if num_logits is not None and logits.shape[0] > num_logits:
-        logits = logits[-num_logits:]
+    if "logits_to_keep" not in params:  # the model computed every position
+        if isinstance(num_logits, torch.Tensor):
+            logits = logits[num_logits.to(logits.device)]
+        elif num_logits is not None:
+            logits = logits[-num_logits:]
     return logits.float()
 
 

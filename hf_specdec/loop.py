@@ -171,10 +171,13 @@ def _tree_round(inputs: DecodeInputs, ids: torch.LongTensor, tree: TreeProposal,
     layout, trie, cache = tree.layout, tree.trie, inputs.cache
     start = ids.shape[1] - 1  # the cache holds every committed token but the last, which is input 0
     verify_start = time.perf_counter()
-    logits = kv.forward(inputs.target, layout.input_ids, cache, num_logits=None, position_ids=layout.position_ids,
-                        attention_mask=tree.attention_mask)[:, : inputs.vocab_size]  # [L, V]
-    window_tokens = logits[layout.window_out_index].argmax(dim=-1)  # [W] next Jacobi guesses (argmax, as LADE)
-    scores = _process_tree(inputs, ids, trie, logits[layout.trie_index])  # [1 + T, V]
+    # logits only where they are read: the trie's rows, then the window's bottom row
+    needed = torch.cat([layout.trie_index, layout.window_out_index]).to(layout.input_ids.device)
+    logits = kv.forward(inputs.target, layout.input_ids, cache, num_logits=needed, position_ids=layout.position_ids,
+                        attention_mask=tree.attention_mask)[:, : inputs.vocab_size]  # [1 + T + W, V]
+    num_trie_rows = layout.trie_index.shape[0]
+    window_tokens = logits[num_trie_rows:].argmax(dim=-1)  # [W] next Jacobi guesses (argmax, as LADE)
+    scores = _process_tree(inputs, ids, trie, logits[:num_trie_rows])  # [1 + T, V]
     if inputs.do_sample:  # one independent sample per node: following matching children is exactly lossless
         target_tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=inputs.generator)[:, 0]
     else:

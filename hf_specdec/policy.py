@@ -28,8 +28,9 @@ and a plain step (k = 0) emits 1 token in t_v(1). Each round picks
     k* = argmax_{0 <= k <= budget}  E(k) / T(k)      (expected tokens per second).
 
 t_v is measured, never assumed: on a CPU in bf16 t_v(1..8) is nearly flat, in fp32 it roughly doubles, on a GPU
-it is flat much further. Unmeasured n are interpolated linearly between measured sizes and held flat beyond the
-largest (optimistic, so the policy tries a longer draft once and learns its cost). When k* = 0 speculation is off; every ``probe_interval`` plain rounds one round drafts
+it is flat much further. Estimates are made monotone in n (a sample at m >= n bounds t_v(n) from above),
+interpolated linearly between measured sizes and held flat beyond the largest (optimistic, so the policy tries a
+longer draft once and learns its cost). When k* = 0 speculation is off; every ``probe_interval`` plain rounds one round drafts
 anyway so that the estimates can recover when the text becomes predictable again.
 
 Inside a round, drafting stops early on low confidence. With P_i the (calibrated) probability that draft
@@ -136,20 +137,28 @@ class AdaptivePolicy:
         return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_seen[b] + 2.0)
 
     def t_verify(self, n: int) -> float | None:
-        """Measured verify time for n new tokens; linear between measured sizes, flat beyond them."""
+        """Verify time for n new tokens, from measurements made monotone in n.
+
+        A forward over more tokens never costs less, so every measurement at m >= n also bounds t(n) from above;
+        this keeps one slow 1-token sample from making speculation look cheaper than it is. Between measured
+        sizes the estimate is linear, beyond the largest it is flat (optimistic: a longer draft gets tried once).
+        """
         if not self.verify_time:
             return None
-        if n in self.verify_time:
-            return self.verify_time[n].value
-        below = [m for m in self.verify_time if m < n]
-        above = [m for m in self.verify_time if m > n]
-        if not below:
-            return self.verify_time[min(above)].value
-        if not above:  # optimistic: larger drafts get tried once and then measured
-            return self.verify_time[max(below)].value
-        low, high = max(below), min(above)
-        t_low, t_high = self.verify_time[low].value, self.verify_time[high].value
-        return t_low + (t_high - t_low) * (n - low) / (high - low)
+        sizes = sorted(self.verify_time)
+        bounded, running = {}, float("inf")
+        for m in reversed(sizes):
+            running = min(running, self.verify_time[m].value)
+            bounded[m] = running
+        if n <= sizes[0]:
+            return bounded[sizes[0]]
+        if n >= sizes[-1]:
+            return bounded[sizes[-1]]
+        high = next(m for m in sizes if m >= n)
+        low = max(m for m in sizes if m <= n)
+        if high == low:
+            return bounded[n]
+        return bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low)
 
     def expected_rate(self, k: int) -> float | None:
         """E(k) / T(k) in tokens per second, None before anything was measured."""
