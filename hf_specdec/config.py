@@ -58,7 +58,7 @@ class SpecConfig(_FromDict):
     num_draft_tokens:
         k for ``"fixed"``, and the starting k for ``"heuristic"`` and ``"adaptive"``.
     max_draft_tokens:
-        Upper bound on k for every policy.
+        Upper bound on k for every policy (adaptive rounds reach it only while the draft stays confident).
     confidence_stop:
         Adaptive only: stop drafting inside a round when the draft's confidence says the next token is not
         worth its cost (see ``policy.py``).
@@ -80,7 +80,7 @@ class SpecConfig(_FromDict):
 
     policy: Literal["adaptive", "fixed", "heuristic"] = "adaptive"
     num_draft_tokens: int = 4
-    max_draft_tokens: int = 12
+    max_draft_tokens: int = 16
     confidence_stop: bool = True
     probe_interval: int = 16
     decay: float = 0.95

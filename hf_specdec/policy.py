@@ -33,10 +33,12 @@ interpolated linearly between measured sizes and held flat beyond the largest (o
 longer draft once and learns its cost). When k* = 0 speculation is off; every ``probe_interval`` plain rounds one round drafts
 anyway so that the estimates can recover when the text becomes predictable again.
 
-Inside a round, drafting stops early on low confidence. With P_i the (calibrated) probability that draft
-tokens 1..i are all accepted, the round so far is worth E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d +
-t_v(i+1). Token i+1 adds about P_i * a_{i+1} tokens for t_d + t_v(i+2) - t_v(i+1) more time, so drafting goes
-on only while
+With ``confidence_stop`` (the default) k* only decides whether to speculate at all; a speculating round may
+then run up to ``max_draft_tokens`` and stops where the draft's confidence says the next token is not worth its
+cost. With P_i the (calibrated) probability that draft tokens 1..i are all accepted, the round so far is worth
+E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d + t_v(i+1). Token i+1 adds about P_i * a_{i+1} tokens for
+t_d + t_v(i+2) - t_v(i+1) more time, with a_{i+1} predicted by the calibrated confidence of token i
+(confidence comes in stretches), so drafting goes on only while
 
     P_i * a_{i+1} / (t_d + t_v(i+2) - t_v(i+1))  >  E_i / T_i .
 
@@ -124,7 +126,6 @@ class AdaptivePolicy:
         self.draft_forward_time = _Ema()
         self.verify_time: dict[int, _Ema] = {}
         self.plain_rounds_in_a_row = 0
-        self._rate_cache: float | None = None
 
     # -- estimates ----------------------------------------------------------------------------------------------
     def alpha(self, position: int) -> float:
@@ -186,7 +187,10 @@ class AdaptivePolicy:
         best_k = max(range(budget + 1), key=lambda k: rates[k] if rates[k] is not None else -1.0)
         if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval:
             best_k = max(range(1, budget + 1), key=lambda k: rates[k] or -1.0)  # probe
-        self._rate_cache = rates[best_k]
+        if best_k > 0 and self.config.confidence_stop:
+            # speculation pays: let the round run up to the cap and let the in-round rule (keep_drafting),
+            # which sees each token's confidence, decide where this round stops
+            return budget
         return best_k
 
     def keep_drafting(self, num_drafted: int, confidence: float) -> bool:
@@ -204,7 +208,9 @@ class AdaptivePolicy:
         t_next = self.t_verify(num_drafted + 2)
         if t_now is None or t_next is None:
             return True
-        gain = all_kept * self.alpha(num_drafted + 1)
+        # the next token's acceptance is predicted by the calibrated confidence of the latest one (confidence
+        # runs in stretches: boilerplate is confidently right, a new identifier is not)
+        gain = all_kept * self.calibrated(self.round_confidences[-1])
         extra_time = t_d + max(0.0, t_next - t_now)
         return gain / extra_time > emitted / (num_drafted * t_d + t_now)
 

@@ -48,7 +48,7 @@ def test_mismatched_vocabularies(model, prompt):
     "kwargs, message",
     [
         (dict(policy="greedy"), r"SpecConfig.policy='greedy' is invalid: choose one of \['adaptive', 'fixed', 'heuristic'\]"),
-        (dict(num_draft_tokens=0), r"SpecConfig.num_draft_tokens=0 is invalid: use an int in \[1, 12\]"),
+        (dict(num_draft_tokens=0), r"SpecConfig.num_draft_tokens=0 is invalid: use an int in \[1, 16\]"),
         (dict(num_draft_tokens=20), r"num_draft_tokens=20 is invalid"),
         (dict(max_draft_tokens=100), r"max_draft_tokens=100 is invalid: use an int in \[1, 64\]"),
         (dict(decay=0.1), r"decay=0.1 is invalid"),

@@ -53,7 +53,8 @@ def test_adaptive_long_drafts_when_cheap_and_accepted():
 
 
 def test_adaptive_shorter_drafts_when_verification_is_expensive():
-    cheap, costly = AdaptivePolicy(SpecConfig()), AdaptivePolicy(SpecConfig())
+    config = SpecConfig(confidence_stop=False)  # compare the k chosen from average acceptance alone
+    cheap, costly = AdaptivePolicy(config), AdaptivePolicy(config)
     feed(cheap, 30, 6, 4, t_draft=0.02, t_verify=flat, plain_step=0.1)
     feed(costly, 30, 6, 4, t_draft=0.02, t_verify=steep, plain_step=0.1)
     assert costly.next_k(12) < cheap.next_k(12)
@@ -69,6 +70,20 @@ def test_adaptive_turns_off_when_it_does_not_pay_and_probes_later():
     assert policy.next_k(12) > 0  # probe
     policy.observe(1, 0, 0.05, 1, 2, 0.1)
     assert policy.next_k(12) == 0
+
+
+def test_confident_rounds_run_longer_when_verification_is_cheap():
+    """With confidence_stop the round length comes from the in-round rule: steep v(n) stops it sooner."""
+    lengths = []
+    for t_verify in (flat, steep):
+        policy = AdaptivePolicy(SpecConfig())
+        feed(policy, 30, 6, 5, t_draft=0.02, t_verify=t_verify, plain_step=0.1)
+        cap = policy.next_k(16)
+        drafted = 1
+        while drafted < cap and policy.keep_drafting(drafted, 0.9):
+            drafted += 1
+        lengths.append(drafted)
+    assert lengths[0] > lengths[1]
 
 
 def test_confidence_stop():

