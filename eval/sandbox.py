@@ -110,24 +110,43 @@ def isolation() -> tuple[str, tuple[str, ...]]:
     return "preamble", ()
 
 
-def _processes_of(uid: int) -> int:
-    """How many processes user ``uid`` runs now (RLIMIT_NPROC counts all of them, not only the sandbox's)."""
-    count = 0
+def _count_processes(matches) -> int:
+    """How many processes in /proc satisfy ``matches(pid)`` (Linux; 0 where /proc is missing).
+
+    ``matches`` reads what it needs of ``/proc/<pid>``; a process that vanished meanwhile (OSError) is skipped.
+    """
     try:
         entries = os.listdir("/proc")
     except OSError:
         return 0
+    count = 0
     for entry in entries:
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/status") as fh:
-                    for line in fh:
-                        if line.startswith("Uid:"):
-                            count += int(line.split()[1]) == uid
-                            break
+                count += bool(matches(entry))
             except OSError:
                 continue
     return count
+
+
+def _owned_by(uid: int):
+    def matches(pid: str) -> bool:
+        with open(f"/proc/{pid}/status") as fh:
+            return any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in fh)
+    return matches
+
+
+def _live_in_group(pgid: int):
+    def matches(pid: str) -> bool:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return int(fields[2]) == pgid and fields[0] != b"Z"
+    return matches
+
+
+def _processes_of(uid: int) -> int:
+    """How many processes user ``uid`` runs now (RLIMIT_NPROC counts all of them, not only the sandbox's)."""
+    return _count_processes(_owned_by(uid))
 
 
 def _preexec(limits: Limits, nproc: int):
@@ -145,22 +164,7 @@ def _preexec(limits: Limits, nproc: int):
 
 def _live_members(pgid: int) -> int:
     """Processes of group ``pgid`` that are not zombies (Linux /proc; 0 elsewhere)."""
-    count = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            count += 1
-    return count
+    return _count_processes(_live_in_group(pgid))
 
 
 def _kill_group(pgid: int) -> None:
