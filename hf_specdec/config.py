@@ -68,8 +68,8 @@ class SpecConfig(_FromDict):
         Adaptive only: weight kept by old observations per round (exponential forgetting), in (0, 1].
     history_lookup:
         Adaptive only: after the draft model's tokens, append the continuation that followed the same tokens
-        earlier in the prompt or the output (prompt lookup), as long as the measured verify cost says the extra
-        tokens are nearly free. They cost no draft forward; verification keeps output exact.
+        earlier in the prompt or the output (prompt lookup), as many tokens as the expected-rate rule says pay
+        for their measured extra verify time. They cost no draft forward; verification keeps output exact.
     draft_vocab_size:
         Compute the draft's output layer over only this many token ids (the first ids of a BPE vocabulary are
         its most frequent tokens), plus every prompt token and the special tokens. On a memory-bound CPU the

@@ -75,6 +75,7 @@ def speculative_generate(
         draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
         special_token_ids=_special_token_ids(generation_config),
         free_tokens=policy.free_tokens if config.policy == "adaptive" and config.history_lookup else None,
+        prefer_lookup=policy.prefer_lookup,
     )
     return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="speculative"))
 

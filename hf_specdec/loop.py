@@ -143,6 +143,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter | None, policy: DraftLengthPol
         chosen = num_drafted - proposal.num_lookup_tokens
         policy.observe(chosen, min(verdict.num_accepted, chosen), proposal.draft_time, proposal.draft_forwards,
                        verify_tokens, verify_time)
+        if proposal.num_lookup_tokens and verdict.num_accepted >= chosen:  # lookup tokens were judged
+            policy.observe_lookup(proposal.num_lookup_tokens, verdict.num_accepted - chosen)
         stats.lookup_drafted += proposal.num_lookup_tokens
         stats.lookup_accepted += max(0, verdict.num_accepted - chosen)
         stats.draft_time_s += proposal.draft_time

@@ -42,6 +42,13 @@ t_d + t_v(i+2) - t_v(i+1) more time, with a_{i+1} predicted by the calibrated co
 
     P_i * a_{i+1} / (t_d + t_v(i+2) - t_v(i+1))  >  E_i / T_i .
 
+After the draft, ``free_tokens`` picks how many prompt-lookup tokens (the continuation that followed the same
+tokens earlier in the prompt or output) to append: lookup token j adds P_k * prod_{l<=j} beta_l expected tokens,
+with beta_l learned from decayed counts like a_j, and the count m maximises the round's E / T with the measured
+t_v(k + 1 + m). When the history alone offers a continuation whose expected rate (same beta_l, measured
+t_v) beats the best draft round, the round verifies that continuation without running the draft at all
+(``prefer_lookup``): in an edit that copies its input, the draft's forwards are pure cost.
+
 P_i multiplies calibrated confidences: the draft's probability of its own token, mapped to an acceptance
 probability through online per-bin acceptance counts (10 bins, Beta prior centred on the raw confidence).
 """
@@ -64,6 +71,10 @@ class DraftLengthPolicy(Protocol):
 
     def free_tokens(self, num_tokens: int, limit: int) -> int: ...
 
+    def observe_lookup(self, appended: int, accepted: int) -> None: ...
+
+    def prefer_lookup(self, num_lookup: int) -> bool: ...
+
 
 class FixedPolicy:
     needs_confidence = False
@@ -82,6 +93,12 @@ class FixedPolicy:
 
     def free_tokens(self, num_tokens: int, limit: int) -> int:
         return 0
+
+    def observe_lookup(self, appended: int, accepted: int) -> None:
+        pass
+
+    def prefer_lookup(self, num_lookup: int) -> bool:
+        return False
 
 
 class HeuristicPolicy(FixedPolicy):
@@ -123,6 +140,8 @@ class AdaptivePolicy:
         self.bin_kept = [0.0] * self.NUM_BINS
         self.bin_seen = [0.0] * self.NUM_BINS
         self.round_confidences: list[float] = []
+        self.lookup_reached = [0.0] * self.MAX_LOOKUP  # prompt-lookup tokens after the draft, per position
+        self.lookup_kept = [0.0] * self.MAX_LOOKUP
         self.draft_forward_time = _Ema()
         self.verify_time: dict[int, _Ema] = {}
         self.plain_rounds_in_a_row = 0
@@ -137,12 +156,13 @@ class AdaptivePolicy:
         b = min(int(confidence * self.NUM_BINS), self.NUM_BINS - 1)
         return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_seen[b] + 2.0)
 
-    def t_verify(self, n: int) -> float | None:
+    def t_verify(self, n: int, extrapolate: bool = False) -> float | None:
         """Verify time for n new tokens, from measurements made monotone in n.
 
         A forward over more tokens never costs less, so every measurement at m >= n also bounds t(n) from above;
         this keeps one slow 1-token sample from making speculation look cheaper than it is. Between measured
-        sizes the estimate is linear, beyond the largest it is flat (optimistic: a longer draft gets tried once).
+        sizes the estimate is linear; beyond the largest it is flat (optimistic: a longer draft gets tried once)
+        or, with ``extrapolate``, continues the slope of the two largest measured sizes.
         """
         if not self.verify_time:
             return None
@@ -154,6 +174,9 @@ class AdaptivePolicy:
         if n <= sizes[0]:
             return bounded[sizes[0]]
         if n >= sizes[-1]:
+            if extrapolate and len(sizes) >= 2:  # continue the slope of the two largest measured sizes
+                slope = (bounded[sizes[-1]] - bounded[sizes[-2]]) / (sizes[-1] - sizes[-2])
+                return bounded[sizes[-1]] + max(0.0, slope) * (n - sizes[-1])
             return bounded[sizes[-1]]
         high = next(m for m in sizes if m >= n)
         low = max(m for m in sizes if m <= n)
@@ -214,23 +237,56 @@ class AdaptivePolicy:
         extra_time = t_d + max(0.0, t_next - t_now)
         return gain / extra_time > emitted / (num_drafted * t_d + t_now)
 
-    FREE_COST = 1.10  # "nearly free": at most 10% more verify time
-    MAX_FREE = 16
+    MAX_LOOKUP = 16
+
+    def lookup_alpha(self, position: int) -> float:
+        """P(prompt-lookup token ``position`` accepted | the draft and the lookup tokens before it were)."""
+        i = min(position, self.MAX_LOOKUP) - 1
+        return (self.lookup_kept[i] + 1.0) / (self.lookup_reached[i] + 2.0)
 
     def free_tokens(self, num_tokens: int, limit: int) -> int:
-        """How many more tokens a verify forward over ``num_tokens`` can carry for at most 10% more time.
+        """How many prompt-lookup tokens to append after this round's draft (``num_tokens`` - 1 tokens).
 
-        Used to append prompt-lookup continuations after the draft tokens (SpecConfig.history_lookup).
+        The m that maximises the round's expected tokens per second: the draft part is worth E_k (from this
+        round's calibrated confidences), lookup token j adds P(all before accepted) * beta_j, and the round
+        costs k * t_d + t_v(k + 1 + m) with t_v measured.
         """
-        base = self.t_verify(num_tokens) if self.config.history_lookup else None
-        if base is None:
+        t_d, base = self.draft_forward_time.value, self.t_verify(num_tokens)
+        if not self.config.history_lookup or t_d is None or base is None:
             return 0
-        free = 0
-        for extra in range(1, min(limit, self.MAX_FREE) + 1):
-            if self.t_verify(num_tokens + extra) > self.FREE_COST * base:
-                break
-            free = extra
-        return free
+        all_kept, emitted = 1.0, 1.0
+        for c in self.round_confidences:
+            all_kept *= self.calibrated(c)
+            emitted += all_kept
+        draft_time = (num_tokens - 1) * t_d
+        best, best_rate = 0, emitted / (draft_time + base)
+        for extra in range(1, min(limit, self.MAX_LOOKUP) + 1):
+            all_kept *= self.lookup_alpha(extra)
+            emitted += all_kept
+            rate = emitted / (draft_time + self.t_verify(num_tokens + extra, extrapolate=True))
+            if rate > best_rate:
+                best, best_rate = extra, rate
+        return best
+
+    def prefer_lookup(self, num_lookup: int) -> bool:
+        """Is a round of ``num_lookup`` prompt-lookup tokens alone (no draft forward) worth more per second than
+        the best draft round? (Copying the input, as in edits, the draft is not needed.)"""
+        t_verify = self.t_verify(num_lookup + 1, extrapolate=True)
+        if not self.config.history_lookup or t_verify is None:
+            return False
+        emitted, all_kept = 1.0, 1.0
+        for position in range(1, num_lookup + 1):
+            all_kept *= self.lookup_alpha(position)
+            emitted += all_kept
+        draft_rates = [self.expected_rate(k) or 0.0 for k in range(1, self.max_k + 1)]
+        return emitted / t_verify > max(draft_rates, default=0.0)
+
+    def observe_lookup(self, appended: int, accepted: int) -> None:
+        """A round whose draft tokens were all accepted judged ``appended`` lookup tokens, keeping ``accepted``."""
+        for i in range(min(appended, accepted + 1, self.MAX_LOOKUP)):
+            self.lookup_reached[i] += 1.0
+            if i < accepted:
+                self.lookup_kept[i] += 1.0
 
     # -- learning -------------------------------------------------------------------------------------------------
     def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
@@ -248,6 +304,8 @@ class AdaptivePolicy:
             self.reached[i] += 1.0
             if i < accepted:
                 self.kept[i] += 1.0
+        self.lookup_reached = [x * decay for x in self.lookup_reached]
+        self.lookup_kept = [x * decay for x in self.lookup_kept]
         self.bin_seen = [x * decay for x in self.bin_seen]
         self.bin_kept = [x * decay for x in self.bin_kept]
         for i, c in enumerate(self.round_confidences[: accepted + 1]):

@@ -103,3 +103,18 @@ def test_speedup_bound_matches_leviathan_table():
     # Leviathan et al. Thm 3.8; e.g. alpha=0.8, c=0.05 -> k*=8, S≈3.09
     assert abs(speedup_bound(0.8, 0.05, 8) - 3.09) < 0.01
     assert speedup_bound(0.8, 0.05, 8) > speedup_bound(0.8, 0.05, 4)
+
+
+def test_lookup_tokens_follow_their_measured_acceptance():
+    """Prompt-lookup tokens are appended while their learned acceptance pays for the measured verify cost."""
+    good, bad = AdaptivePolicy(SpecConfig()), AdaptivePolicy(SpecConfig())
+    for policy, kept in ((good, 8), (bad, 0)):
+        feed(policy, 20, 4, 4, t_draft=0.02, t_verify=steep, plain_step=0.1)
+        for _ in range(20):
+            policy.observe_lookup(8, kept)
+        policy.next_k(16)
+        for i in range(1, 5):
+            policy.keep_drafting(i, 0.95)
+    assert good.free_tokens(5, 16) >= 4
+    assert bad.free_tokens(5, 16) == 0
+    assert FixedPolicy(4).free_tokens(5, 16) == 0

@@ -17,8 +17,9 @@ Two savings that leave the output unchanged (the target verifies every token):
   tokens and the special tokens; everything else gets probability 0 in the draft, which rejection sampling
   handles exactly.
 - Prompt lookup after the draft. When the draft's tokens continue something already seen in the prompt or the
-  output, the tokens that followed it there are appended for free, up to the number of tokens the policy says
-  a verify forward carries at (almost) no extra cost. They are deterministic drafts (one-hot ``draft_probs``).
+  output, the tokens that followed it there are appended without any draft forward, as many as the policy's
+  expected-rate rule says pay for their extra verify time (it learns how often such tokens are accepted).
+  They are deterministic drafts (one-hot ``draft_probs``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class SubVocabHead:
 
 
 class DraftModelDrafter:
+    LEADING_LOOKUP = 10  # longest continuation a lookup-only round verifies (transformers' prompt lookup uses 10)
+
     def __init__(
         self,
         draft_model,
@@ -76,7 +79,8 @@ class DraftModelDrafter:
         generator: torch.Generator | None = None,
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
-        free_tokens: Callable[[int, int], int] | None = None,  # policy.free_tokens, for prompt lookup
+        free_tokens: Callable[[int, int], int] | None = None,  # policy.free_tokens: how many lookup tokens to append
+        prefer_lookup: Callable[[int], bool] | None = None,  # policy.prefer_lookup: a lookup-only round instead?
     ) -> None:
         self.model = draft_model
         self.logits_processor = logits_processor
@@ -87,6 +91,7 @@ class DraftModelDrafter:
         self.draft_vocab_size = draft_vocab_size
         self.special_token_ids = special_token_ids
         self.free_tokens = free_tokens
+        self.prefer_lookup = prefer_lookup or (lambda num_lookup: False)
         self.cache = kv.new_cache(draft_model)
         self.num_cached = 0  # committed tokens whose KV is in self.cache
         self.device = next(draft_model.parameters()).device
@@ -119,6 +124,9 @@ class DraftModelDrafter:
 
     def propose(self, committed_ids: torch.LongTensor, max_tokens: int, keep_drafting: KeepDrafting) -> Proposal:
         start = time.perf_counter()
+        copied = self._lookup(committed_ids, [], leading=True)
+        if copied:  # the history predicts the continuation better than the draft would pay for: no draft forward
+            return self._proposal([], [], copied, start)
         ids = committed_ids.to(self.device)  # [1, L]
         feed = ids[:, self.num_cached:]  # at least the last committed token
         tokens: list[torch.Tensor] = []
@@ -137,34 +145,45 @@ class DraftModelDrafter:
             tokens.append(token)
             ids = torch.cat([ids, token[None]], dim=1)
             feed = token[None]
-            if position < max_tokens and not keep_drafting(position, confidence):
+            if not keep_drafting(position, confidence) or position == max_tokens:  # the policy sees every token
                 break
         # the cache now holds every committed token and every draft token but the last
         self.num_cached = ids.shape[1] - 1
-        lookup = self._lookup(committed_ids, tokens)
+        return self._proposal(tokens, probs, self._lookup(committed_ids, tokens), start)
+
+    def _proposal(self, tokens: list[torch.Tensor], probs: list[torch.Tensor], lookup: tuple[int, ...],
+                  start: float) -> Proposal:
+        """Draft tokens followed by prompt-lookup tokens (deterministic drafts: one-hot distributions)."""
+        drafted = len(tokens)
         for token in lookup:
             tokens.append(torch.tensor([token], device=self.device))
-            if self.do_sample:  # a deterministic draft: its distribution is one-hot
+            if self.do_sample:
                 probs.append(torch.nn.functional.one_hot(torch.tensor(token), self.vocab_size).float().to(self.device))
         return Proposal(
             token_ids=torch.cat(tokens),
             draft_probs=torch.stack(probs) if self.do_sample else None,
             draft_time=time.perf_counter() - start,
-            draft_forwards=len(tokens) - len(lookup),
+            draft_forwards=drafted,
             num_lookup_tokens=len(lookup),
         )
 
-    def _lookup(self, committed_ids: torch.LongTensor, drafted: list[torch.Tensor]) -> tuple[int, ...]:
-        """Prompt-lookup continuation of committed + drafted tokens, as long as the policy calls free."""
+    def _lookup(self, committed_ids: torch.LongTensor, drafted: list[torch.Tensor],
+                leading: bool = False) -> tuple[int, ...]:
+        """Prompt-lookup continuation of committed + drafted tokens, as long as the policy says it pays.
+
+        ``leading``: a round of lookup tokens alone, taken only if ``policy.prefer_lookup`` says it beats drafting.
+        """
         if self.history is None:
             return ()
         if len(self.history.tokens) < committed_ids.shape[1]:
             self.history.extend(committed_ids[0, len(self.history.tokens):].tolist())
-        free = self.free_tokens(len(drafted) + 1, 64)
-        if free <= 0:
+        limit = self.LEADING_LOOKUP if leading else self.free_tokens(len(drafted) + 1, 64)
+        if limit <= 0:
             return ()
-        found = self.history.continuations(max_len=free, limit=1, suffix=[int(t) for t in drafted], min_match=2)
-        return found[0] if found else ()
+        found = self.history.continuations(max_len=limit, limit=1, suffix=[int(t) for t in drafted], min_match=2)
+        if not found or (leading and not self.prefer_lookup(len(found[0]))):
+            return ()
+        return found[0]
 
     def rollback(self, num_valid: int) -> None:
         if self.num_cached > num_valid:
