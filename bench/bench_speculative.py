@@ -18,7 +18,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
