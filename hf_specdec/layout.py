@@ -48,6 +48,10 @@ class Trie:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def children(self) -> dict[tuple[int, int], int]:
+        """(parent node id, token) -> child node id."""
+        return {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
+
     def path(self, node: int) -> list[int]:
         """Node ids from the root's child down to ``node``."""
         nodes = []
@@ -102,7 +106,7 @@ def verify_tree(trie: Trie, target_tokens: Sequence[int]) -> tuple[list[int], in
     ([], 4)
     """
     assert len(target_tokens) == 1 + len(trie), (len(target_tokens), len(trie))
-    children = {(parent, token): node for node, (parent, token) in enumerate(zip(trie.parents, trie.tokens))}
+    children = trie.children()
     accepted: list[int] = []
     node = -1
     while True:

@@ -125,6 +125,59 @@ class _Ema:
         self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
 
 
+class ForwardCost:
+    """Measured seconds of one target forward as a function of n, the number of new tokens it reads.
+
+    Each size keeps an exponential moving average of its timings. ``estimate`` makes them monotone in n (a forward
+    over more tokens never costs less, so every measurement at m >= n also bounds t(n) from above; one slow
+    1-token sample cannot make longer forwards look cheap), interpolates linearly between measured sizes and,
+    beyond the largest, is flat (optimistic: a longer forward gets tried once and then is measured) or, with
+    ``extrapolate``, continues the slope of the two largest measured sizes.
+
+    >>> cost = ForwardCost()
+    >>> for n, seconds in [(1, 0.20), (4, 0.20), (8, 0.26), (2, 0.30)]:
+    ...     cost.observe(n, seconds)
+    >>> cost.estimate(2), cost.estimate(6), cost.estimate(16), cost.estimate(16, extrapolate=True)
+    (0.2, 0.23, 0.26, 0.38)
+    """
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, _Ema] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self._by_size.setdefault(int(num_tokens), _Ema()).update(seconds)
+
+    def measured(self, num_tokens: int) -> bool:
+        return int(num_tokens) in self._by_size
+
+    @property
+    def largest(self) -> int:
+        """The largest size measured so far (0 before any measurement)."""
+        return max(self._by_size, default=0)
+
+    def estimate(self, n: int, extrapolate: bool = False) -> float | None:
+        """Seconds for a forward over n new tokens; None before anything was measured."""
+        if not self._by_size:
+            return None
+        sizes = sorted(self._by_size)
+        bounded, running = {}, float("inf")
+        for m in reversed(sizes):
+            running = min(running, self._by_size[m].value)
+            bounded[m] = running
+        if n <= sizes[0]:
+            return bounded[sizes[0]]
+        if n >= sizes[-1]:
+            if extrapolate and len(sizes) >= 2:  # continue the slope of the two largest measured sizes
+                slope = (bounded[sizes[-1]] - bounded[sizes[-2]]) / (sizes[-1] - sizes[-2])
+                return round(bounded[sizes[-1]] + max(0.0, slope) * (n - sizes[-1]), 12)
+            return bounded[sizes[-1]]
+        high = next(m for m in sizes if m >= n)
+        low = max(m for m in sizes if m <= n)
+        if high == low:
+            return bounded[n]
+        return round(bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low), 12)
+
+
 class AdaptivePolicy:
     needs_confidence = True
     NUM_BINS = 10
@@ -143,7 +196,7 @@ class AdaptivePolicy:
         self.lookup_reached = [0.0] * self.MAX_LOOKUP  # prompt-lookup tokens after the draft, per position
         self.lookup_kept = [0.0] * self.MAX_LOOKUP
         self.draft_forward_time = _Ema()
-        self.verify_time: dict[int, _Ema] = {}
+        self.verify_cost = ForwardCost()
         self.plain_rounds_in_a_row = 0
 
     # -- estimates ----------------------------------------------------------------------------------------------
@@ -157,32 +210,8 @@ class AdaptivePolicy:
         return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_seen[b] + 2.0)
 
     def t_verify(self, n: int, extrapolate: bool = False) -> float | None:
-        """Verify time for n new tokens, from measurements made monotone in n.
-
-        A forward over more tokens never costs less, so every measurement at m >= n also bounds t(n) from above;
-        this keeps one slow 1-token sample from making speculation look cheaper than it is. Between measured
-        sizes the estimate is linear; beyond the largest it is flat (optimistic: a longer draft gets tried once)
-        or, with ``extrapolate``, continues the slope of the two largest measured sizes.
-        """
-        if not self.verify_time:
-            return None
-        sizes = sorted(self.verify_time)
-        bounded, running = {}, float("inf")
-        for m in reversed(sizes):
-            running = min(running, self.verify_time[m].value)
-            bounded[m] = running
-        if n <= sizes[0]:
-            return bounded[sizes[0]]
-        if n >= sizes[-1]:
-            if extrapolate and len(sizes) >= 2:  # continue the slope of the two largest measured sizes
-                slope = (bounded[sizes[-1]] - bounded[sizes[-2]]) / (sizes[-1] - sizes[-2])
-                return bounded[sizes[-1]] + max(0.0, slope) * (n - sizes[-1])
-            return bounded[sizes[-1]]
-        high = next(m for m in sizes if m >= n)
-        low = max(m for m in sizes if m <= n)
-        if high == low:
-            return bounded[n]
-        return bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low)
+        """Verify time for n new tokens (``ForwardCost.estimate``)."""
+        return self.verify_cost.estimate(n, extrapolate)
 
     def expected_rate(self, k: int) -> float | None:
         """E(k) / T(k) in tokens per second, None before anything was measured."""
@@ -202,7 +231,7 @@ class AdaptivePolicy:
         budget = min(budget, self.max_k)
         if budget <= 0:
             return 0
-        if 1 not in self.verify_time:  # measure a plain step first: every other choice is compared to it
+        if not self.verify_cost.measured(1):  # measure a plain step first: every other choice is compared to it
             return 0
         if self.draft_forward_time.value is None:
             return min(self.initial_k, budget)
@@ -290,7 +319,7 @@ class AdaptivePolicy:
 
     # -- learning -------------------------------------------------------------------------------------------------
     def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
-        self.verify_time.setdefault(verify_tokens, _Ema()).update(verify_time)
+        self.verify_cost.observe(verify_tokens, verify_time)
         if drafted == 0:
             self.plain_rounds_in_a_row += 1
             return

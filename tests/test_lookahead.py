@@ -8,7 +8,8 @@ import torch
 import hf_specdec
 from hf_specdec import cache as kv
 from hf_specdec.config import LookaheadConfig
-from hf_specdec.drafters.lookahead import BudgetChooser, LookaheadDrafter, split_budget
+from hf_specdec.drafters.lookahead import (DepthAcceptance, LookaheadDrafter, best_node_count, free_extra_tokens,
+                                           rank_prefixes, window_shape)
 from hf_specdec.layout import accepted_input_index, build_layout, build_trie, to_model_mask, verify_tree
 from tests.conftest import tiny_model
 
@@ -140,22 +141,34 @@ def test_flash_attention_is_refused_up_front():
         LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=10))
 
 
-def test_budget_chooser_takes_the_largest_cheap_forward():
-    chooser = BudgetChooser(tolerance=0.15)
-    assert chooser.chosen_size() == 1  # nothing measured: measure a one-token step
-    chooser.observe(1, 1.0)
-    assert chooser.chosen_size() == 2  # explore upwards
-    for size, seconds in [(2, 1.0), (4, 1.02), (8, 1.1), (16, 1.4)]:
-        chooser.observe(size, seconds)
-    assert chooser.relative_cost()[16] == pytest.approx(1.4)
-    assert chooser.chosen_size() == 8  # 16 costs 40% more than one token: too much
-    chooser.observe(13, 1.05)  # bucketed as 16; the minimum of recent timings counts
-    assert chooser.chosen_size() in (16, 24)
+def test_round_size_follows_expected_rate_and_measured_cost():
+    # a long prompt-lookup continuation that is usually accepted, and a short unlikely pool candidate
+    ranked = rank_prefixes([((1, 2, 3, 4, 5, 6), [0.9] * 6), ((7, 8), [0.2, 0.5])])
+    assert [prefix for prefix, _ in ranked[:3]] == [(1,), (1, 2), (1, 2, 3)]
+    assert all(len(prefix) == 1 or prefix[:-1] in [p for p, _ in ranked[:i]] for i, (prefix, _) in enumerate(ranked))
+    gains = [gain for _, gain in ranked]
+    flat = lambda n: 1.0  # noqa: E731  (bf16 CPU / GPU: extra tokens almost free)
+    knee = lambda n: 1.0 if n <= 4 else 1.0 + 0.1 * (n - 4)  # noqa: E731  (this CPU: flat to 4, then rising)
+    steep = lambda n: float(n)  # noqa: E731  (fp32 CPU, large model: every token costs a full step)
+    assert best_node_count(gains, flat, max_nodes=63) == len(gains)
+    assert best_node_count(gains, flat, max_nodes=3) == 3
+    assert 3 <= best_node_count(gains, knee, max_nodes=63) < len(gains)
+    assert best_node_count(gains, steep, max_nodes=63) == 0  # speculating does not pay: a plain step
+    # the window only takes tokens that keep the forward within the tolerance of its cost
+    assert free_extra_tokens(knee, used=2, limit=30, tolerance=0.15) == 3
+    assert free_extra_tokens(steep, used=1, limit=30, tolerance=0.15) == 0
+    assert window_shape(4) == (1, 2) and window_shape(31) == (10, 4)
 
 
-def test_split_budget_and_config_validation():
-    shape = split_budget(31, LookaheadConfig())
-    assert shape.window_tokens - 1 + shape.max_nodes == 31 and shape.ngram == 4
+def test_depth_acceptance_learns_per_depth():
+    rates = DepthAcceptance(prior=0.3, max_depth=4)
+    for _ in range(50):
+        rates.observe(judged=3, accepted=2)  # the first two tokens accepted, the third rejected
+    assert rates.rate(1) > 0.9 and rates.rate(2) > 0.9 and rates.rate(3) < 0.1
+    assert rates.rate(4) == pytest.approx(0.3) and rates.rate(99) == rates.rate(4)  # never judged: the prior
+
+
+def test_config_validation():
     with pytest.raises(ValueError, match="window"):
         LookaheadConfig(window=0)
     with pytest.raises(ValueError, match="unknown"):

@@ -20,13 +20,14 @@ What differs from the published algorithm (LADE):
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from ..config import LookaheadConfig
 from ..layout import TreeProposal, advance_window, build_layout, build_trie, harvest_ngrams, to_model_mask
+from ..policy import ForwardCost
 from .base import KeepDrafting, Proposal
 from .ngram_pool import HistoryIndex, NgramPool
 
@@ -40,106 +41,122 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class StepShape:
-    """How one round spends its extra tokens: window (W, N) and trie (at most ``max_nodes`` nodes from at most
-    ``max_candidates`` candidates). Forward size = (N-1)*W + nodes."""
+    """The Jacobi window of one round: W columns of N-1 rows (W=1, N=2 is just the last token: no window)."""
 
     window: int
     ngram: int
-    max_candidates: int
-    max_nodes: int
 
     @property
     def window_tokens(self) -> int:
         return (self.ngram - 1) * self.window
 
 
-def split_budget(extra_tokens: int, config: LookaheadConfig) -> StepShape:
-    """Spend ``extra_tokens`` (beyond the last token) on the window and the trie; explicit config values win.
+# ----------------------------------------------------------------------------------------------------------------
+# Sizing a round by its expected rate: how much of each candidate will be accepted, and what a forward costs
+# ----------------------------------------------------------------------------------------------------------------
 
-    "auto" rule: below 6 extra tokens the window is off (W=1, N=2: the Jacobi branch is only the last token) and
-    everything goes to the trie; otherwise about half goes to the window, N=3 below 24 extra tokens, N=4 from 24,
-    N=5 from 48, and the trie gets the rest, in candidates of N-1 tokens (G) though prompt-lookup candidates may
-    be longer. An explicit G means exactly G * (N-1) trie nodes, so a fully explicit config is deterministic.
-
-    >>> split_budget(15, LookaheadConfig())
-    StepShape(window=4, ngram=3, max_candidates=4, max_nodes=8)
-    >>> split_budget(3, LookaheadConfig())
-    StepShape(window=1, ngram=2, max_candidates=3, max_nodes=3)
-    >>> split_budget(0, LookaheadConfig(window=3, ngram=3, max_candidates=2))
-    StepShape(window=3, ngram=3, max_candidates=2, max_nodes=4)
-    """
-    budget = max(0, extra_tokens)
-    if config.ngram != "auto":
-        ngram = config.ngram
-    else:
-        ngram = 2 if budget < 6 else 3 if budget < 24 else 4 if budget < 48 else 5
-    if config.window != "auto":
-        window = config.window
-    else:
-        window = 1 if budget < 6 else max(2, (budget // 2 + 1) // (ngram - 1))
-    if config.max_candidates != "auto":  # explicit G: G candidates of N-1 tokens, whatever the budget
-        max_candidates = config.max_candidates
-        max_nodes = max_candidates * (ngram - 1)
-    else:
-        max_nodes = max(0, budget - ((ngram - 1) * window - 1))
-        max_candidates = max(1, max_nodes // (ngram - 1)) if max_nodes else 0
-    return StepShape(window, ngram, max_candidates, max_nodes)
+POOL_SOURCE = 0  # candidates from the window's n-gram pool; history candidates are keyed by match length 1..4
+PRIOR_ACCEPTANCE = {POOL_SOURCE: 0.25, 1: 0.3, 2: 0.45, 3: 0.6, 4: 0.7}
 
 
-class BudgetChooser:
-    """Largest forward size whose measured cost stays within ``tolerance`` of a one-token forward.
+class DepthAcceptance:
+    """P(a candidate's token at depth d is accepted | its tokens before d were), for one source of candidates.
 
-    Sizes are bucketed on a ladder (1, 2, 4, 8, 16, 24, 32, 48, 64 tokens); each bucket keeps its last few
-    timings and is judged by their minimum (robust to a noisy, shared CPU). Exploration goes up the ladder one
-    bucket at a time: the next unmeasured bucket above the chosen one is tried once, and every ``reprobe``
-    rounds again, since costs drift as the context grows.
+    Decayed counts with a Beta prior of weight 2 centred on ``prior``. A judged candidate counts once at every
+    depth the target judged: its accepted prefix plus the first miss (depths after a miss were never judged).
+
+    >>> rates = DepthAcceptance(prior=0.5, max_depth=4)
+    >>> rates.observe(judged=3, accepted=2)
+    >>> [round(rates.rate(d), 2) for d in (1, 2, 3, 4)]
+    [0.67, 0.67, 0.33, 0.5]
     """
 
-    LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    def __init__(self, prior: float, max_depth: int, decay: float = 0.98) -> None:
+        self.prior, self.decay = prior, decay
+        self.reached = [0.0] * max_depth
+        self.kept = [0.0] * max_depth
 
-    def __init__(self, tolerance: float = 0.15, max_size: int = 64, reprobe: int = 32, history: int = 4) -> None:
-        self.tolerance = tolerance
-        self.ladder = tuple(n for n in self.LADDER if n <= max_size) or (1,)
-        self.reprobe = reprobe
-        self.timings: dict[int, deque[float]] = {n: deque(maxlen=history) for n in self.ladder}
-        self.rounds = 0
+    def rate(self, depth: int) -> float:
+        i = min(depth, len(self.reached)) - 1
+        return (self.kept[i] + 2.0 * self.prior) / (self.reached[i] + 2.0)
 
-    def bucket(self, num_tokens: int) -> int:
-        return next((n for n in self.ladder if n >= num_tokens), self.ladder[-1])
+    def observe(self, judged: int, accepted: int) -> None:
+        self.reached = [x * self.decay for x in self.reached]
+        self.kept = [x * self.decay for x in self.kept]
+        for i in range(min(judged, len(self.reached))):
+            self.reached[i] += 1.0
+            if i < accepted:
+                self.kept[i] += 1.0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self.timings[self.bucket(num_tokens)].append(seconds)
-        self.rounds += 1
 
-    def cost(self, size: int) -> float | None:
-        samples = self.timings[size]
-        return min(samples) if samples else None
+def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[tuple[tuple[int, ...], float]]:
+    """Every distinct prefix of the candidates with its gain, best first.
 
-    def relative_cost(self) -> dict[int, float]:
-        """v(n) = t(n) / t(1) for every measured bucket n."""
-        base = self.cost(1)
-        if base is None:
-            return {}
-        return {n: self.cost(n) / base for n in self.ladder if self.cost(n) is not None}
+    ``candidates``: (tokens, per-depth acceptance rates). The gain of a prefix is the probability that all of it
+    is accepted (the product of its candidate's rates; a prefix shared by several candidates takes the highest),
+    i.e. what its last token adds to the expected number of accepted tokens. A parent's gain is never below its
+    child's, and ties go to the shorter prefix, so every prefix comes after its parent: the first n prefixes
+    always form a trie.
 
-    def chosen_size(self) -> int:
-        """Forward size (tokens, the last token included) to use next round."""
-        costs = self.relative_cost()
-        if not costs:
-            return 1  # measure a one-token step first
-        chosen = 1
-        for n in self.ladder:
-            if n in costs:
-                if costs[n] > 1.0 + self.tolerance:
-                    break
-                chosen = n
-        # explore the next bucket up once (and again every `reprobe` rounds) while the chosen one is still cheap
-        index = self.ladder.index(chosen)
-        if index + 1 < len(self.ladder):
-            upper = self.ladder[index + 1]
-            if upper not in costs or (costs[upper] <= 1.0 + 2 * self.tolerance and self.rounds % self.reprobe == 0):
-                return upper
-        return chosen
+    >>> rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5)), ((3,), (0.6,))])
+    [((7,), 0.9), ((3,), 0.6), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
+    """
+    gains: dict[tuple[int, ...], float] = {}
+    for tokens, rates in candidates:
+        all_kept = 1.0
+        for depth in range(len(tokens)):
+            all_kept *= rates[depth]
+            prefix = tuple(int(t) for t in tokens[: depth + 1])
+            gains[prefix] = max(gains.get(prefix, 0.0), all_kept)
+    return sorted(gains.items(), key=lambda item: (-item[1], len(item[0])))
+
+
+def best_node_count(gains: Sequence[float], forward_seconds: Callable[[int], float], max_nodes: int) -> int:
+    """How many of the ranked trie nodes to verify: the n that maximises the expected tokens per second,
+
+        (1 + gains[0] + ... + gains[n-1]) / t(1 + n),
+
+    a round always emitting the target's own token plus every accepted node, for a forward over the last token
+    and n nodes. With a flat t (GPU, CPU in bf16 up to a few tokens) every useful node is taken; with a steep one
+    (CPU in fp32) only the likely ones, down to none (a plain step).
+
+    >>> flat, steep = (lambda n: 1.0), (lambda n: 1.0 + 0.5 * (n - 1))
+    >>> best_node_count([0.9, 0.8, 0.1], flat, 8), best_node_count([0.9, 0.8, 0.1], steep, 8)
+    (3, 2)
+    >>> best_node_count([0.3, 0.1], steep, 8)
+    0
+    """
+    best, emitted = 0, 1.0
+    best_rate = emitted / forward_seconds(1)
+    for n in range(1, min(len(gains), max_nodes) + 1):
+        emitted += gains[n - 1]
+        rate = emitted / forward_seconds(1 + n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+def free_extra_tokens(forward_seconds: Callable[[int], float], used: int, limit: int, tolerance: float) -> int:
+    """The most tokens that can join a forward of ``used`` tokens while it stays within ``tolerance`` of its cost.
+
+    >>> free_extra_tokens(lambda n: 1.0 if n <= 8 else 2.0, used=3, limit=20, tolerance=0.15)
+    5
+    """
+    base = forward_seconds(used)
+    return max((e for e in range(limit + 1) if forward_seconds(used + e) <= (1.0 + tolerance) * base), default=0)
+
+
+def window_shape(extra_tokens: int) -> tuple[int, int]:
+    """(W, N) spending ``extra_tokens`` on the Jacobi window: off below 5 (W=1, N=2: just the last token), N=3
+    below 24 extra tokens, N=4 below 48, else N=5, and as many columns as fit.
+
+    >>> window_shape(3), window_shape(5), window_shape(15), window_shape(30)
+    ((1, 2), (3, 3), (8, 3), (10, 4))
+    """
+    if extra_tokens < 5:
+        return 1, 2
+    ngram = 3 if extra_tokens < 24 else 4 if extra_tokens < 48 else 5
+    return (extra_tokens + 1) // (ngram - 1), ngram
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,7 +170,11 @@ class LookaheadDrafter:
     ``max_tokens``: the deepest candidate it will ever propose (the loop's policy caps it further near the end).
     """
 
-    max_tokens = 16
+    max_tokens = 32
+    max_forward_tokens = 64  # never more inputs than this in one forward
+    window_tolerance = 0.15  # the window only gets tokens that keep the forward within 15% of its cost without it
+    min_pool_rate = 0.15  # ... and only while the pool it feeds gets its first token accepted this often
+    history_match = 4  # longest context match prompt lookup looks for (a longer match predicts better)
 
     def __init__(self, model, config: LookaheadConfig, inputs) -> None:
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -170,8 +191,12 @@ class LookaheadDrafter:
         self.max_positions = getattr(model.config, "n_positions", None) or getattr(
             model.config, "max_position_embeddings", None)
         self.pool = NgramPool(config.max_pool_per_key)
-        self.history: HistoryIndex | None = HistoryIndex(max_match=3) if config.pool_from_prompt else None
-        self.chooser = BudgetChooser()
+        self.history: HistoryIndex | None = (
+            HistoryIndex(max_match=self.history_match) if config.pool_from_prompt else None)
+        self.cost = ForwardCost()  # measured seconds of a target forward by its number of inputs
+        self.acceptance = {source: DepthAcceptance(prior, self.max_tokens)
+                           for source, prior in PRIOR_ACCEPTANCE.items()}
+        self.judging: list[tuple[tuple[int, ...], int]] = []  # (tokens in the trie, source) of the last round
         self.fill_generator = torch.Generator().manual_seed(0)  # placeholders for fresh window columns
         self.fill_source = torch.zeros(1, dtype=torch.long)
         self.rows: torch.Tensor | None = None  # [N-1, W] window; rows[0, 0] = last committed token
@@ -193,12 +218,16 @@ class LookaheadDrafter:
         start = time.perf_counter()
         committed = committed_ids[0].cpu()  # [L]
         length = committed.shape[0]
+        self._learn(committed)
         if self.history is not None and len(self.history.tokens) < length:
             self.history.extend(committed[len(self.history.tokens):].tolist())
 
-        shape = self._shape(max_tokens, past_length=length - 1)
+        depth = self._max_depth(max_tokens, past_length=length - 1)
+        candidates = self._candidates(committed, depth)
+        trie, shape = self._plan(candidates, past_length=length - 1)
+        children = trie.children()
+        self.judging = [(tokens[: _depth_in_trie(children, tokens)], source) for tokens, source in candidates]
         self._align_window(shape, committed)
-        trie = build_trie(self._candidates(committed, shape, max_tokens), shape.max_nodes)
         layout = build_layout(self.rows, trie, past_length=length - 1, device=self.device)
         mask = to_model_mask(layout.attention_mask, self.attention, self.dtype)
         return Proposal(
@@ -210,7 +239,7 @@ class LookaheadDrafter:
     def observe_forward(self, window_tokens: torch.LongTensor, num_tokens: int, seconds: float) -> None:
         """The target's choices after each window column ([W]) and what the forward cost."""
         self.pending_out = window_tokens.cpu()
-        self.chooser.observe(num_tokens, seconds)
+        self.cost.observe(num_tokens, seconds)
 
     def rollback(self, num_valid: int) -> None:
         pass  # the window is re-aligned at the next propose, once the round's last token is known
@@ -219,16 +248,60 @@ class LookaheadDrafter:
         self.rows = self.age = self.pending_out = None
 
     # -- internals --------------------------------------------------------------------------------------------
-    def _shape(self, max_tokens: int, past_length: int) -> StepShape:
-        shape = split_budget(self.chooser.chosen_size() - 1, self.config)
-        if self.max_positions is not None:  # absolute position embeddings: stay inside the table
-            room = self.max_positions - past_length - 1
-            if shape.window_tokens - 1 + shape.ngram - 1 > room - 1:
-                shape = StepShape(1, 2, shape.max_candidates, shape.max_nodes)
-            max_tokens = min(max_tokens, room)
-        if max_tokens <= 0:
-            return StepShape(shape.window, shape.ngram, 0, 0)
-        return shape
+    def _learn(self, committed: torch.Tensor) -> None:
+        """Score last round's candidates against what the target committed (accepted path + its own token)."""
+        if not self.judging:
+            return
+        emitted = committed[self.num_committed:].tolist()
+        for tokens, source in self.judging:
+            accepted = 0
+            while accepted < min(len(tokens), len(emitted)) and tokens[accepted] == emitted[accepted]:
+                accepted += 1
+            if tokens:
+                self.acceptance[source].observe(judged=min(len(tokens), accepted + 1), accepted=accepted)
+        self.judging = []
+
+    def _max_depth(self, max_tokens: int, past_length: int) -> int:
+        depth = min(max_tokens, self.max_tokens)
+        if self.max_positions is not None:  # absolute position embeddings: node i sits at past_length + depth_i
+            depth = min(depth, self.max_positions - past_length - 1)
+        return max(depth, 0)
+
+    def _forward_seconds(self, num_tokens: int) -> float:
+        return self.cost.estimate(num_tokens) or 0.0
+
+    def _plan(self, candidates: list[tuple[tuple[int, ...], int]], past_length: int):
+        """The round's trie and window. Auto: the trie nodes that maximise the expected tokens per second (with
+        the measured forward cost and the learned acceptance of each source), then a window from whatever extra
+        tokens keep the forward within ``window_tolerance`` of its cost. Explicit W/N/G are used as given
+        (explicit G: exactly G*(N-1) trie nodes, candidates in priority order)."""
+        config = self.config
+        if not self.cost.measured(1):  # measure a one-token step first: every other size is compared to it
+            return build_trie([], 0), StepShape(1, 2)
+        # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
+        limit = min(self.max_forward_tokens, max(8, 2 * self.cost.largest))
+        if config.max_candidates == "auto":
+            ranked = rank_prefixes([(tokens, [self.acceptance[source].rate(d) for d in range(1, len(tokens) + 1)])
+                                    for tokens, source in candidates])
+            nodes = best_node_count([gain for _, gain in ranked], self._forward_seconds, limit - 1)
+            trie = build_trie([prefix for prefix, _ in ranked[:nodes]], nodes)
+        if config.window != "auto":
+            window = config.window
+            ngram = config.ngram if config.ngram != "auto" else (3 if window > 1 else 2)
+        else:
+            used = 1 + (len(trie) if config.max_candidates == "auto" else 0)
+            extra = free_extra_tokens(self._forward_seconds, used, limit - used, self.window_tolerance)
+            if self.acceptance[POOL_SOURCE].rate(1) < self.min_pool_rate:
+                extra = 0  # the window's n-grams are not being accepted: its tokens are pure cost
+            window, ngram = window_shape(extra)
+            if config.ngram != "auto":
+                ngram = config.ngram
+                window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
+        if config.max_candidates != "auto":
+            trie = build_trie([tokens for tokens, _ in candidates], config.max_candidates * (ngram - 1))
+        if self.max_positions is not None and past_length + (ngram - 2) + (window - 1) >= self.max_positions:
+            window, ngram = 1, 2  # the window would run past the position table
+        return trie, StepShape(window, ngram)
 
     def _align_window(self, shape: StepShape, committed: torch.Tensor) -> None:
         """Bring the window to the new last token: harvest its columns, shift it by what was committed."""
@@ -252,18 +325,19 @@ class LookaheadDrafter:
                               generator=self.fill_generator)
         return self.fill_source[index].clone()
 
-    def _candidates(self, committed: torch.Tensor, shape: StepShape, max_tokens: int) -> list[tuple[int, ...]]:
-        """Candidates continuing the last token, best first: prompt lookup, then pool n-grams chained."""
-        depth = min(max_tokens, self.max_tokens, max(shape.max_nodes, 0))
-        if depth <= 0 or shape.max_candidates <= 0:
+    def _candidates(self, committed: torch.Tensor, depth: int) -> list[tuple[tuple[int, ...], int]]:
+        """(tokens, source) candidates continuing the last token, best first: prompt lookup (source = how many
+        context tokens matched), then pool n-grams chained (source ``POOL_SOURCE``)."""
+        if depth <= 0:
             return []
-        last = int(committed[-1])
-        found: list[tuple[int, ...]] = []
+        found: list[tuple[tuple[int, ...], int]] = []
         if self.history is not None:
-            found += self.history.continuations(max_len=depth, limit=shape.max_candidates)
-        for ngram in self.pool.lookup(last, limit=shape.max_candidates):
-            found.append(self._chain(ngram, depth))
-        return [c[:depth] for c in found[: max(shape.max_candidates, 1) * 2]]
+            found += self.history.matches(max_len=depth, limit=self.max_candidates_per_source)
+        for ngram in self.pool.lookup(int(committed[-1]), limit=self.max_candidates_per_source):
+            found.append((self._chain(ngram, depth), POOL_SOURCE))
+        return found
+
+    max_candidates_per_source = 8
 
     def _chain(self, candidate: tuple[int, ...], depth: int) -> tuple[int, ...]:
         """Extend a candidate with the pool's most recent n-gram keyed by its last token, up to ``depth``."""
@@ -274,3 +348,14 @@ class LookaheadDrafter:
                 break
             chained = chained + following[0]
         return chained[:depth]
+
+
+def _depth_in_trie(children: dict[tuple[int, int], int], tokens: Sequence[int]) -> int:
+    """How many leading tokens of ``tokens`` are a path from the root of the trie with these ``children``."""
+    node, depth = -1, 0
+    for token in tokens:
+        node = children.get((node, int(token)), None)
+        if node is None:
+            break
+        depth += 1
+    return depth

@@ -94,10 +94,16 @@ class HistoryIndex:
         Matches of the last ``max_match`` tokens come first, then shorter ones; within a length, the most recent
         occurrence first. At most ``max_scan`` occurrences are examined per match length.
         """
+        return [continuation for continuation, _ in self.matches(max_len, limit, suffix, max_scan, min_match)]
+
+    def matches(
+        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 8, min_match: int = 1
+    ) -> list[tuple[tuple[int, ...], int]]:
+        """``continuations`` with, for each, the length of the match it came from (how much context agreed)."""
         context = self.tokens + [int(t) for t in suffix]
         if max_len < 1 or limit < 1 or not context:
             return []
-        found: list[tuple[int, ...]] = []
+        found: list[tuple[tuple[int, ...], int]] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_match, len(context)), max(min_match, 1) - 1, -1):
             ends = self._ends.get(tuple(context[-n:]), [])
@@ -107,7 +113,7 @@ class HistoryIndex:
                 scanned += 1  # the current end of the history matches itself: empty continuation, skipped
                 if continuation and continuation not in seen and not _is_prefix_of_any(continuation, found):
                     seen.add(continuation)
-                    found.append(continuation)
+                    found.append((continuation, n))
                     if len(found) >= limit:
                         return found
                 if scanned >= max_scan:
@@ -115,5 +121,5 @@ class HistoryIndex:
         return found
 
 
-def _is_prefix_of_any(candidate: tuple[int, ...], others: list[tuple[int, ...]]) -> bool:
-    return any(len(other) >= len(candidate) and other[: len(candidate)] == candidate for other in others)
+def _is_prefix_of_any(candidate: tuple[int, ...], others: list[tuple[tuple[int, ...], int]]) -> bool:
+    return any(len(other) >= len(candidate) and other[: len(candidate)] == candidate for other, _ in others)
