@@ -12,8 +12,11 @@ What differs from the published algorithm (LADE):
 - candidates are longer than N: prompt lookup over prompt + generated text gives continuations of any length,
   and pool n-grams are chained (the last token of one is the key of the next);
 - the window is re-aligned to what was accepted (it shifts by the number of tokens committed, not by one);
-- W, N, G come from the measured cost of a forward as a function of its token count (``BudgetChooser``), not
-  fixed values: extra tokens are added only while a forward stays within ``tolerance`` of a one-token step.
+- the round is sized by its expected rate, not fixed W, N, G: each candidate token's chance of acceptance is
+  learned per source (pool, or prompt lookup by how many context tokens matched) and depth, the cost of a
+  forward is measured by its number of inputs (``policy.ForwardCost``), and the trie takes the nodes that
+  maximise expected tokens per second (``rank_prefixes``, ``best_node_count``); the Jacobi window only gets
+  tokens that keep the forward within ``window_tolerance`` of its cost, and only while its pool is useful;
 - the window's KV is not kept, the accepted path's KV is (no recomputation).
 """
 
