@@ -112,7 +112,7 @@ class HeuristicPolicy(FixedPolicy):
         self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
-class _Ema:
+class Ema:
     """Exponential moving average that starts at its first sample."""
 
     __slots__ = ("value", "weight")
@@ -142,10 +142,10 @@ class ForwardCost:
     """
 
     def __init__(self) -> None:
-        self._by_size: dict[int, _Ema] = {}
+        self._by_size: dict[int, Ema] = {}
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        self._by_size.setdefault(int(num_tokens), _Ema()).update(seconds)
+        self._by_size.setdefault(int(num_tokens), Ema()).update(seconds)
 
     def measured(self, num_tokens: int) -> bool:
         return int(num_tokens) in self._by_size
@@ -195,7 +195,7 @@ class AdaptivePolicy:
         self.round_confidences: list[float] = []
         self.lookup_reached = [0.0] * self.MAX_LOOKUP  # prompt-lookup tokens after the draft, per position
         self.lookup_kept = [0.0] * self.MAX_LOOKUP
-        self.draft_forward_time = _Ema()
+        self.draft_forward_time = Ema()
         self.verify_cost = ForwardCost()
         self.plain_rounds_in_a_row = 0
 

@@ -8,8 +8,8 @@ import torch
 import hf_specdec
 from hf_specdec import cache as kv
 from hf_specdec.config import LookaheadConfig
-from hf_specdec.drafters.lookahead import (DepthAcceptance, LookaheadDrafter, best_node_count, free_extra_tokens,
-                                           rank_prefixes, window_shape)
+from hf_specdec.drafters.lookahead import (DepthAcceptance, LookaheadDrafter, StepShape, best_node_count,
+                                           free_extra_tokens, rank_prefixes, window_shape)
 from hf_specdec.layout import accepted_input_index, build_layout, build_trie, to_model_mask, verify_tree
 from tests.conftest import tiny_model
 
@@ -158,6 +158,25 @@ def test_round_size_follows_expected_rate_and_measured_cost():
     assert free_extra_tokens(knee, used=2, limit=30, tolerance=0.15) == 3
     assert free_extra_tokens(steep, used=1, limit=30, tolerance=0.15) == 0
     assert window_shape(4) == (1, 2) and window_shape(31) == (10, 4)
+
+
+def test_window_gets_tokens_only_while_its_pool_pays():
+    model = tiny_model("llama")
+    drafter = LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=model.config.vocab_size))
+    for size, seconds in [(1, 1.0), (8, 1.05), (16, 1.1), (32, 1.2)]:  # extra tokens cost a little
+        drafter.cost.observe(size, seconds)
+    _, shape = drafter._plan([], past_length=10)
+    assert shape.window > 1  # optimistic prior: the window is tried
+    drafter.round_tokens.update(1.2)
+    drafter.pool_gain.update(0.0)  # its n-grams never added a token beyond prompt lookup
+    _, shape = drafter._plan([], past_length=10)
+    assert shape == StepShape(1, 2)
+    drafter.pool_gain.update(0.6)  # now they do: worth up to 15% more per forward
+    _, shape = drafter._plan([], past_length=10)
+    assert shape.window > 1
+    # every `remeasure_interval` rounds without a trie, one plain step keeps t(1) fresh
+    shapes = [drafter._plan([], past_length=10)[1] for _ in range(drafter.remeasure_interval)]
+    assert shapes.count(StepShape(1, 2)) == 1
 
 
 def test_depth_acceptance_learns_per_depth():

@@ -30,7 +30,7 @@ import torch
 
 from ..config import LookaheadConfig
 from ..layout import TreeProposal, advance_window, build_layout, build_trie, harvest_ngrams, to_model_mask
-from ..policy import ForwardCost
+from ..policy import ForwardCost, Ema
 from .base import KeepDrafting, Proposal
 from .ngram_pool import HistoryIndex, NgramPool
 
@@ -176,7 +176,10 @@ class LookaheadDrafter:
     max_tokens = 32
     max_forward_tokens = 64  # never more inputs than this in one forward
     window_tolerance = 0.15  # the window only gets tokens that keep the forward within 15% of its cost without it
-    min_pool_rate = 0.15  # ... and only while the pool it feeds gets its first token accepted this often
+    # ... and only while the tokens the pool adds per round (beyond prompt lookup), as a share of the tokens a
+    # round emits, exceed the window's share of the forward's cost; optimistic prior so that it gets tried
+    prior_pool_gain = 0.3
+    remeasure_interval = 16  # a round with nothing to verify is a plain step if t(1) is older than this
     history_match = 4  # longest context match prompt lookup looks for (a longer match predicts better)
 
     def __init__(self, model, config: LookaheadConfig, inputs) -> None:
@@ -197,6 +200,10 @@ class LookaheadDrafter:
         self.history: HistoryIndex | None = (
             HistoryIndex(max_match=self.history_match) if config.pool_from_prompt else None)
         self.cost = ForwardCost()  # measured seconds of a target forward by its number of inputs
+        self.pool_gain = Ema()  # tokens per round that pool candidates accepted beyond the best history one
+        self.round_tokens = Ema()  # tokens emitted per round
+        self.rounds = 0
+        self.last_plain_round = 0  # the round that last measured t(1)
         self.acceptance = {source: DepthAcceptance(prior, self.max_tokens)
                            for source, prior in PRIOR_ACCEPTANCE.items()}
         self.judging: list[tuple[tuple[int, ...], int]] = []  # (tokens in the trie, source) of the last round
@@ -256,12 +263,17 @@ class LookaheadDrafter:
         if not self.judging:
             return
         emitted = committed[self.num_committed:].tolist()
+        self.round_tokens.update(len(emitted))
+        best = {True: 0, False: 0}  # longest accepted prefix among pool / history candidates
         for tokens, source in self.judging:
             accepted = 0
             while accepted < min(len(tokens), len(emitted)) and tokens[accepted] == emitted[accepted]:
                 accepted += 1
             if tokens:
                 self.acceptance[source].observe(judged=min(len(tokens), accepted + 1), accepted=accepted)
+                best[source == POOL_SOURCE] = max(best[source == POOL_SOURCE], accepted)
+        if any(tokens and source == POOL_SOURCE for tokens, source in self.judging):
+            self.pool_gain.update(max(0, best[True] - best[False]))
         self.judging = []
 
     def _max_depth(self, max_tokens: int, past_length: int) -> int:
@@ -279,7 +291,9 @@ class LookaheadDrafter:
         tokens keep the forward within ``window_tolerance`` of its cost. Explicit W/N/G are used as given
         (explicit G: exactly G*(N-1) trie nodes, candidates in priority order)."""
         config = self.config
+        self.rounds += 1
         if not self.cost.measured(1):  # measure a one-token step first: every other size is compared to it
+            self.last_plain_round = self.rounds
             return build_trie([], 0), StepShape(1, 2)
         # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
         limit = min(self.max_forward_tokens, max(8, 2 * self.cost.largest))
@@ -293,9 +307,13 @@ class LookaheadDrafter:
             ngram = config.ngram if config.ngram != "auto" else (3 if window > 1 else 2)
         else:
             used = 1 + (len(trie) if config.max_candidates == "auto" else 0)
-            extra = free_extra_tokens(self._forward_seconds, used, limit - used, self.window_tolerance)
-            if self.acceptance[POOL_SOURCE].rate(1) < self.min_pool_rate:
-                extra = 0  # the window's n-grams are not being accepted: its tokens are pure cost
+            pool_gain = self.prior_pool_gain if self.pool_gain.value is None else self.pool_gain.value
+            worth = min(self.window_tolerance, pool_gain / (self.round_tokens.value or 1.0))
+            extra = free_extra_tokens(self._forward_seconds, used, limit - used, worth)
+            if used == 1 and self.rounds - self.last_plain_round >= self.remeasure_interval:
+                extra = 0  # nothing to verify: a plain step, which keeps t(1), the reference of every size, fresh
+            if used + extra == 1:
+                self.last_plain_round = self.rounds
             window, ngram = window_shape(extra)
             if config.ngram != "auto":
                 ngram = config.ngram
