@@ -180,6 +180,7 @@ class LookaheadDrafter:
     # round emits, exceed the window's share of the forward's cost; optimistic prior so that it gets tried
     prior_pool_gain = 0.3
     remeasure_interval = 16  # a round with nothing to verify is a plain step if t(1) is older than this
+    max_candidates_per_source = 8  # prompt-lookup continuations and pool n-grams considered per round, each
     history_match = 4  # longest context match prompt lookup looks for (a longer match predicts better)
 
     def __init__(self, model, config: LookaheadConfig, inputs) -> None:
@@ -357,8 +358,6 @@ class LookaheadDrafter:
         for ngram in self.pool.lookup(int(committed[-1]), limit=self.max_candidates_per_source):
             found.append((self._chain(ngram, depth), POOL_SOURCE))
         return found
-
-    max_candidates_per_source = 8
 
     def _chain(self, candidate: tuple[int, ...], depth: int) -> tuple[int, ...]:
         """Extend a candidate with the pool's most recent n-gram keyed by its last token, up to ``depth``."""
