@@ -194,7 +194,6 @@ class LookaheadDrafter:
         self.attention = attention
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.vocab_size = int(inputs.vocab_size)
         self.max_positions = getattr(model.config, "n_positions", None) or getattr(
             model.config, "max_position_embeddings", None)
         self.pool = NgramPool(config.max_pool_per_key)
