@@ -4,11 +4,14 @@
     python bench/bench_lookahead.py --prompts 3 --new 64  # smoke run
 
 Two task families: HumanEval completions (raw prompt) and input-grounded edits (rewrite a given function with
-type hints, chat template). The three modes run interleaved on every prompt (order rotated per prompt) after a
-warm-up; every mode's tokens are counted the same way (sequence length minus prompt length). Reported per mode
-and family: total new tokens / total seconds, speedup over plain and over prompt lookup, the smallest
-per-prompt speedup over plain, lookahead's tokens per forward, and how many outputs equal plain greedy's
-(bf16 batched verification may legitimately differ from one-token greedy; fp32 is exact).
+type hints, chat template). Four modes run interleaved on every prompt (order rotated per prompt) after a
+warm-up: plain, prompt lookup, lookahead cold (every call starts from nothing) and lookahead with memory (one
+``LookaheadMemory`` per family, so a call reads the earlier calls' prompts and outputs and starts with their
+measured costs; the first prompt of a family is cold). Every mode's tokens are counted the same way (sequence
+length minus prompt length). Reported per mode and family: total new tokens / total seconds, speedup over
+plain and over prompt lookup, the smallest per-prompt speedup over plain, lookahead's tokens per forward, and
+how many outputs equal plain greedy's (bf16 batched verification may legitimately differ from one-token greedy;
+fp32 is exact).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ EDIT_INSTRUCTION = (
     "Rewrite the following Python function so that every parameter and the return value have type hints. "
     "Keep the body unchanged and output only the code.\n\n```python\n{code}\n```"
 )
-MODES = ("plain", "prompt_lookup", "lookahead")
+MODES = ("plain", "prompt_lookup", "lookahead", "lookahead_memory")
 
 
 def humaneval_prompts(tokenizer, count: int) -> list[torch.Tensor]:
@@ -51,12 +54,15 @@ def edit_prompts(tokenizer, count: int) -> list[torch.Tensor]:
     return prompts
 
 
-def run_mode(model, mode: str, input_ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+def run_mode(model, mode: str, input_ids: torch.Tensor, new_tokens: int,
+             memory: hf_specdec.LookaheadMemory | None = None) -> tuple[torch.Tensor, float]:
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
     if mode == "prompt_lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
-    elif mode == "lookahead":
+    elif mode == "lookahead":  # cold: every call starts from nothing
         kwargs["custom_generate"] = hf_specdec.lookahead_generate
+    elif mode == "lookahead_memory":  # warm: one LookaheadMemory across the family's calls, in order
+        kwargs.update(custom_generate=hf_specdec.lookahead_generate, lookahead_memory=memory)
     start = time.perf_counter()
     with torch.inference_mode():
         out = type(model).generate(model, input_ids, **kwargs)  # the unpatched transformers generate
@@ -67,18 +73,18 @@ def bench_family(model, prompts, new_tokens: int) -> dict:
     totals = {m: [0, 0.0] for m in MODES}
     per_prompt_speedup = {m: [] for m in MODES}
     same_as_plain = {m: 0 for m in MODES}
-    lookahead_forwards = 0
-    lookahead_tokens = 0
+    forwards = {"lookahead": 0, "lookahead_memory": 0}
+    emitted = {"lookahead": 0, "lookahead_memory": 0}
+    memory = hf_specdec.LookaheadMemory()  # fresh for the family: only its own earlier calls are remembered
     for i, input_ids in enumerate(prompts):
-        order = MODES[i % 3:] + MODES[: i % 3]  # rotate so no mode always runs first
+        order = MODES[i % len(MODES):] + MODES[: i % len(MODES)]  # rotate so no mode always runs first
         results = {}
         for mode in order:
-            out, seconds = run_mode(model, mode, input_ids, new_tokens)
+            out, seconds = run_mode(model, mode, input_ids, new_tokens, memory)
             results[mode] = (out, seconds)
-            if mode == "lookahead":
-                stats = model.last_spec_stats
-                lookahead_forwards += stats.rounds
-                lookahead_tokens += stats.new_tokens
+            if mode in forwards:
+                forwards[mode] += model.last_spec_stats.rounds
+                emitted[mode] += model.last_spec_stats.new_tokens
         plain_out, plain_s = results["plain"]
         plain_rate = (plain_out.shape[1] - input_ids.shape[1]) / plain_s
         for mode, (out, seconds) in results.items():
@@ -97,7 +103,7 @@ def bench_family(model, prompts, new_tokens: int) -> dict:
         "min_per_prompt_speedup_vs_plain": {m: min(per_prompt_speedup[m]) for m in MODES},
         "same_as_plain": same_as_plain,
         "prompts": len(prompts),
-        "lookahead_tokens_per_forward": lookahead_tokens / max(lookahead_forwards, 1),
+        "tokens_per_forward": {m: emitted[m] / max(forwards[m], 1) for m in forwards},
     }
 
 
@@ -116,7 +122,8 @@ def markdown(results: dict, args, dtype) -> str:
                 f"| {family} | {m} | {r['tokens'][m]} | {r['seconds'][m]:.1f} | {r['tok_per_s'][m]:.2f} | "
                 f"{r['speedup_vs_plain'][m]:.2f}x | {r['speedup_vs_prompt_lookup'][m]:.2f}x | "
                 f"{r['min_per_prompt_speedup_vs_plain'][m]:.2f}x | {r['same_as_plain'][m]}/{r['prompts']} |")
-        lines.append(f"| {family} | lookahead tokens per forward | {r['lookahead_tokens_per_forward']:.2f} | | | | | | |")
+        for m, value in r["tokens_per_forward"].items():
+            lines.append(f"| {family} | {m} tokens per forward | {value:.2f} | | | | | | |")
     return "\n".join(lines)
 
 

@@ -13,7 +13,8 @@ Modes
 - ``specdec_adaptive``: hf_specdec, ``SpecConfig(policy="adaptive")``.
 - ``specdec_fixed``: hf_specdec, ``SpecConfig(policy="fixed", num_draft_tokens=--spec-k)``.
 - ``specdec_heuristic``: hf_specdec, ``SpecConfig(policy="heuristic", num_draft_tokens=--spec-k)`` (+2/-1 rule).
-- ``lookahead``: hf_specdec lookahead decoding, ``LookaheadConfig()`` (auto W, N, G), no draft model.
+- ``lookahead``: hf_specdec lookahead decoding, ``LookaheadConfig()`` (auto W, N, G), no draft model; cold
+  (``lookahead_memory=None``: no call learns from an earlier one).
 
 transformers' own modes always run on the unmodified transformers ``generate``: they call
 ``type(model).generate(model, ...)``, which skips the per-instance override that ``hf_specdec.enable`` installs.
@@ -197,7 +198,8 @@ class Generator:
             return model.generate(**kwargs, assistant_model=self.draft, spec_config=spec_config)
         if mode == "lookahead":
             la = sd.LookaheadConfig(**(self.settings.lookahead or {}))
-            return model.generate(**kwargs, decoding="lookahead", lookahead_config=la)
+            # cold: each call on its own (with enable()'s shared LookaheadMemory a repeat would copy itself)
+            return model.generate(**kwargs, decoding="lookahead", lookahead_config=la, lookahead_memory=None)
         raise ValueError(f"unknown mode {mode!r}")
 
     def _need_draft(self, mode: str) -> None:

@@ -8,6 +8,7 @@
 """
 
 from .config import LookaheadConfig, SpecConfig
+from .drafters.lookahead import LookaheadMemory
 from .integration import SpecGenerateOutput, disable, enable, lookahead_generate, speculative_generate
 from .stats import SpecStats
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LookaheadConfig",
+    "LookaheadMemory",
     "SpecConfig",
     "SpecGenerateOutput",
     "SpecStats",

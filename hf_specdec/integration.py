@@ -25,6 +25,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 from . import cache as kv
 from .config import LookaheadConfig, SpecConfig
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.lookahead import LookaheadDrafter, LookaheadMemory
 from .loop import DecodeInputs, decode
 from .policy import FixedPolicy, make_policy
 from .stats import SpecStats
@@ -87,15 +88,21 @@ def lookahead_generate(
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
     lookahead_config: LookaheadConfig | dict | None = None,
+    lookahead_memory=None,
     spec_streamer=None,
     **model_kwargs,
 ):
-    """``custom_generate`` callable: lookahead decoding (Jacobi window + n-gram pool), no draft model."""
-    from .drafters.lookahead import LookaheadDrafter  # noqa: PLC0415  (built on top of the core)
+    """``custom_generate`` callable: lookahead decoding (Jacobi window + n-gram pool), no draft model.
 
+    ``lookahead_memory``: a ``LookaheadMemory`` to read and extend (earlier calls' text, measured costs and
+    acceptance); None starts from nothing and keeps nothing.
+    """
     config = _as_config(lookahead_config, LookaheadConfig, "lookahead_config")
+    if lookahead_memory is not None and not isinstance(lookahead_memory, LookaheadMemory):
+        raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
+                         f"{type(lookahead_memory).__name__}.")
     inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-    drafter = LookaheadDrafter(model, config, inputs)
+    drafter = LookaheadDrafter(model, config, inputs, memory=lookahead_memory)
     policy = FixedPolicy(drafter.max_tokens)
     return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="lookahead"))
 
@@ -206,14 +213,18 @@ def enable(model):
     """Route ``model.generate(..., assistant_model=draft)`` and ``decoding="lookahead"`` through hf_specdec.
 
     Only this instance changes (its ``generate`` attribute); the class and every other model are untouched.
-    ``disable(model)`` undoes it. Returns the model.
+    It also gets ``model.lookahead_memory``, which ``decoding="lookahead"`` calls share unless they pass
+    ``lookahead_memory=`` (None: a call that neither reads nor writes it); see ``LookaheadMemory``.
+    ``disable(model)`` undoes both. Returns the model.
     """
     if getattr(model.generate, _ENABLED, False):
         return model
     original = model.generate
+    model.lookahead_memory = LookaheadMemory()
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        kwargs.setdefault("lookahead_memory", model.lookahead_memory)
         return route_generate(original, *args, **kwargs)
 
     setattr(generate, _ENABLED, True)
@@ -222,7 +233,7 @@ def enable(model):
 
 
 def route_generate(original, *args, assistant_model=None, decoding=None, spec_config=None, lookahead_config=None,
-                   **kwargs):
+                   lookahead_memory=None, **kwargs):
     """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``decoding``, to ``original``."""
     mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
     if mode is None:
@@ -239,7 +250,7 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
     _move_stop_strings(kwargs)
     if mode == "lookahead":
         return original(*args, custom_generate=lookahead_generate, lookahead_config=lookahead_config,
-                        spec_streamer=streamer, **kwargs)
+                        lookahead_memory=lookahead_memory, spec_streamer=streamer, **kwargs)
     if assistant_model is None:
         raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
     return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
@@ -250,6 +261,7 @@ def disable(model):
     """Undo ``enable(model)``."""
     if getattr(model.generate, _ENABLED, False):
         del model.generate
+        model.__dict__.pop("lookahead_memory", None)
     return model
 
 

@@ -8,8 +8,8 @@ import torch
 import hf_specdec
 from hf_specdec import cache as kv
 from hf_specdec.config import LookaheadConfig
-from hf_specdec.drafters.lookahead import (DepthAcceptance, LookaheadDrafter, StepShape, best_node_count,
-                                           free_extra_tokens, rank_prefixes, window_shape)
+from hf_specdec.drafters.lookahead import (DepthAcceptance, LookaheadDrafter, LookaheadMemory, StepShape,
+                                           best_node_count, free_extra_tokens, rank_prefixes, window_shape)
 from hf_specdec.layout import accepted_input_index, build_layout, build_trie, to_model_mask, verify_tree
 from tests.conftest import tiny_model
 
@@ -206,3 +206,56 @@ def test_verify_tree_with_sampled_targets_is_lossless_for_the_first_token():
         first = trie.tokens[accepted[0]] if accepted else next_token
         counts[first] += 1
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
+
+
+# -- LookaheadMemory: what one call learns, carried into the next ------------------------------------------------------
+def test_memory_makes_a_repeated_request_cheap_and_keeps_output_exact():
+    model = tiny_model("qwen2")
+    memory = LookaheadMemory()
+    expected = plain(model, RANDOM)
+    first = lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory=memory)
+    first_stats = model.last_spec_stats
+    assert first_stats.draft_length_hist[0] >= 1  # cold: the first round is a plain step that measures t(1)
+    assert memory.corpus.tokens[: RANDOM.shape[1]] == RANDOM[0].tolist() and memory.cost.measured(1)
+    second = lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory=memory)
+    second_stats = model.last_spec_stats
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    # the earlier answer is a candidate from the first round on: a few forwards instead of one per token
+    assert second_stats.round_log[1][0] > 0, second_stats.round_log
+    assert second_stats.rounds < first_stats.rounds / 2, (first_stats.rounds, second_stats.rounds)
+
+
+def test_memory_from_another_request_keeps_output_exact():
+    model = tiny_model("llama")
+    memory = LookaheadMemory()
+    lookahead(model, REPETITIVE, LookaheadConfig(), lookahead_memory=memory)
+    other = torch.tensor([[9, 5, 17, 42, 8, 3, 4, 5]])  # shares n-grams with the first request, not its answer
+    assert torch.equal(lookahead(model, other, LookaheadConfig(), lookahead_memory=memory), plain(model, other))
+
+
+def test_enable_keeps_one_memory_per_model_and_none_opts_out():
+    model = hf_specdec.enable(tiny_model("llama"))
+    assert isinstance(model.lookahead_memory, LookaheadMemory)
+    model.generate(RANDOM, decoding="lookahead", max_new_tokens=8, do_sample=False, lookahead_memory=None)
+    assert model.lookahead_memory.corpus.tokens == []  # that call neither read nor wrote it
+    model.generate(RANDOM, decoding="lookahead", max_new_tokens=8, do_sample=False)
+    assert model.lookahead_memory.corpus.tokens[: RANDOM.shape[1]] == RANDOM[0].tolist()
+    other = hf_specdec.enable(tiny_model("llama"))
+    assert other.lookahead_memory is not model.lookahead_memory
+    hf_specdec.disable(model)
+    assert not hasattr(model, "lookahead_memory")
+
+
+def test_memory_is_bounded_and_validated():
+    memory = LookaheadMemory(max_tokens=10)
+    memory.remember(range(8))
+    memory.remember(range(100, 104))  # 12 tokens > 10: keep the newest 5
+    assert memory.corpus.tokens == [7, 100, 101, 102, 103]
+    assert memory.corpus.matches(max_len=2, limit=4, suffix=[100], suffix_only=True) == [((101, 102), 1)]
+    memory.clear()
+    assert memory.corpus.tokens == [] and not memory.cost.measured(1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        LookaheadMemory(max_tokens=0)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="LookaheadMemory"):
+        lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory={"corpus": []})

@@ -17,7 +17,9 @@ What differs from the published algorithm (LADE):
   forward is measured by its number of inputs (``policy.ForwardCost``), and the trie takes the nodes that
   maximise expected tokens per second (``rank_prefixes``, ``best_node_count``); the Jacobi window only gets
   tokens that keep the forward within ``window_tolerance`` of its cost, and only while its pool is useful;
-- the window's KV is not kept, the accepted path's KV is (no recomputation).
+- the window's KV is not kept, the accepted path's KV is (no recomputation);
+- what one call learns is kept for the next (``LookaheadMemory``): the measured cost curve, the acceptance of
+  each candidate source, and the text of earlier prompts and outputs as a further source of candidates.
 """
 
 from __future__ import annotations
@@ -58,8 +60,15 @@ class StepShape:
 # Sizing a round by its expected rate: how much of each candidate will be accepted, and what a forward costs
 # ----------------------------------------------------------------------------------------------------------------
 
-POOL_SOURCE = 0  # candidates from the window's n-gram pool; history candidates are keyed by match length 1..4
-PRIOR_ACCEPTANCE = {POOL_SOURCE: 0.25, 1: 0.3, 2: 0.45, 3: 0.6, 4: 0.7}
+# Where a candidate came from, which is what its acceptance is learned by:
+POOL = ("pool", 0)  # the window's n-gram pool
+# ("history", m): prompt lookup in this call's prompt + output, the last m tokens matched;
+# ("memory", m): the same in the prompts and outputs of earlier calls (``LookaheadMemory``)
+PRIOR_ACCEPTANCE = {
+    POOL: 0.25,
+    **{("history", m): rate for m, rate in zip((1, 2, 3, 4), (0.3, 0.45, 0.6, 0.7))},
+    **{("memory", m): rate for m, rate in zip((1, 2, 3, 4), (0.15, 0.3, 0.45, 0.55))},
+}
 
 
 class DepthAcceptance:
@@ -183,7 +192,7 @@ class LookaheadDrafter:
     max_candidates_per_source = 8  # prompt-lookup continuations and pool n-grams considered per round, each
     history_match = 4  # longest context match prompt lookup looks for (a longer match predicts better)
 
-    def __init__(self, model, config: LookaheadConfig, inputs) -> None:
+    def __init__(self, model, config: LookaheadConfig, inputs, memory: LookaheadMemory | None = None) -> None:
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
         if attention not in SUPPORTED_ATTENTION:
             raise ValueError(
@@ -199,14 +208,15 @@ class LookaheadDrafter:
         self.pool = NgramPool(config.max_pool_per_key)
         self.history: HistoryIndex | None = (
             HistoryIndex(max_match=self.history_match) if config.pool_from_prompt else None)
-        self.cost = ForwardCost()  # measured seconds of a target forward by its number of inputs
-        self.pool_gain = Ema()  # tokens per round that pool candidates accepted beyond the best history one
-        self.round_tokens = Ema()  # tokens emitted per round
+        # what is learned (forward cost, acceptance by source) and earlier calls' text; a fresh one if none given
+        self.memory = memory if memory is not None else LookaheadMemory()
+        self.cost = self.memory.cost  # measured seconds of a target forward by its number of inputs
+        self.acceptance = self.memory.acceptance
+        self.pool_gain = self.memory.pool_gain  # tokens per round the pool's candidates add beyond the others
+        self.round_tokens = self.memory.round_tokens  # tokens emitted per round
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
-        self.acceptance = {source: DepthAcceptance(prior, self.max_tokens)
-                           for source, prior in PRIOR_ACCEPTANCE.items()}
-        self.judging: list[tuple[tuple[int, ...], int]] = []  # (tokens in the trie, source) of the last round
+        self.judging: list[tuple[tuple[int, ...], tuple[str, int]]] = []  # (tokens in the trie, source) of the last round
         self.fill_generator = torch.Generator().manual_seed(0)  # placeholders for fresh window columns
         self.fill_source = torch.zeros(1, dtype=torch.long)
         self.rows: torch.Tensor | None = None  # [N-1, W] window; rows[0, 0] = last committed token
@@ -255,6 +265,8 @@ class LookaheadDrafter:
         pass  # the window is re-aligned at the next propose, once the round's last token is known
 
     def release(self) -> None:
+        if self.history is not None:
+            self.memory.remember(self.history.tokens)  # prompt + output (but the last round's tokens)
         self.rows = self.age = self.pending_out = None
 
     # -- internals --------------------------------------------------------------------------------------------
@@ -271,8 +283,8 @@ class LookaheadDrafter:
                 accepted += 1
             if tokens:
                 self.acceptance[source].observe(judged=min(len(tokens), accepted + 1), accepted=accepted)
-                best[source == POOL_SOURCE] = max(best[source == POOL_SOURCE], accepted)
-        if any(tokens and source == POOL_SOURCE for tokens, source in self.judging):
+                best[source == POOL] = max(best[source == POOL], accepted)
+        if any(tokens and source == POOL for tokens, source in self.judging):
             self.pool_gain.update(max(0, best[True] - best[False]))
         self.judging = []
 
@@ -285,7 +297,7 @@ class LookaheadDrafter:
     def _forward_seconds(self, num_tokens: int) -> float:
         return self.cost.estimate(num_tokens) or 0.0
 
-    def _plan(self, candidates: list[tuple[tuple[int, ...], int]], past_length: int):
+    def _plan(self, candidates: list[tuple[tuple[int, ...], tuple[str, int]]], past_length: int):
         """The round's trie and window. Auto: the trie nodes that maximise the expected tokens per second (with
         the measured forward cost and the learned acceptance of each source), then a window from whatever extra
         tokens keep the forward within ``window_tolerance`` of its cost. Explicit W/N/G are used as given
@@ -346,16 +358,20 @@ class LookaheadDrafter:
                               generator=self.fill_generator)
         return self.fill_source[index].clone()
 
-    def _candidates(self, committed: torch.Tensor, depth: int) -> list[tuple[tuple[int, ...], int]]:
-        """(tokens, source) candidates continuing the last token, best first: prompt lookup (source = how many
-        context tokens matched), then pool n-grams chained (source ``POOL_SOURCE``)."""
+    def _candidates(self, committed: torch.Tensor, depth: int) -> list[tuple[tuple[int, ...], tuple[str, int]]]:
+        """(tokens, source) candidates continuing the last token: prompt lookup in this call's text, then in
+        earlier calls' text (``LookaheadMemory``), then pool n-grams chained (see ``PRIOR_ACCEPTANCE``)."""
         if depth <= 0:
             return []
-        found: list[tuple[tuple[int, ...], int]] = []
+        limit = self.max_candidates_per_source
+        found: list[tuple[tuple[int, ...], tuple[str, int]]] = []
         if self.history is not None:
-            found += self.history.matches(max_len=depth, limit=self.max_candidates_per_source)
-        for ngram in self.pool.lookup(int(committed[-1]), limit=self.max_candidates_per_source):
-            found.append((self._chain(ngram, depth), POOL_SOURCE))
+            found += [(tokens, ("history", n)) for tokens, n in self.history.matches(max_len=depth, limit=limit)]
+            tail = committed[-self.history_match:].tolist()
+            found += [(tokens, ("memory", n)) for tokens, n in self.memory.corpus.matches(
+                max_len=depth, limit=limit, suffix=tail, suffix_only=True)]
+        for ngram in self.pool.lookup(int(committed[-1]), limit=limit):
+            found.append((self._chain(ngram, depth), POOL))
         return found
 
     def _chain(self, candidate: tuple[int, ...], depth: int) -> tuple[int, ...]:
@@ -378,3 +394,41 @@ def _depth_in_trie(children: dict[tuple[int, int], int], tokens: Sequence[int]) 
             break
         depth += 1
     return depth
+
+
+class LookaheadMemory:
+    """What lookahead learns in one ``generate`` call, carried into the next calls on the same model.
+
+    - ``corpus``: the prompts and outputs of earlier calls, indexed for prompt lookup. Requests repeat each other
+      (imports, boilerplate, a test harness, the same function asked for again), so their text predicts the next
+      answer the way the prompt does; at most ``max_tokens`` of it are kept, the oldest dropped first.
+    - ``cost``: the measured forward cost by number of inputs, so that a new call starts with a known cost curve
+      instead of a plain first step and one doubling of forward size per round.
+    - ``acceptance``, ``pool_gain``, ``round_tokens``: what each candidate source's tokens are worth.
+
+    Outputs never depend on it (every candidate is verified by the target); only speed does. ``enable(model)``
+    keeps one per model as ``model.lookahead_memory``; pass ``lookahead_memory=None`` to ``generate`` for a call
+    that neither reads nor writes it, or your own ``LookaheadMemory()`` to scope it (one per user, say).
+    """
+
+    def __init__(self, max_tokens: int = 1 << 16) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"LookaheadMemory(max_tokens={max_tokens!r}) is invalid: use an int >= 1.")
+        self.max_tokens = max_tokens
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything: the earlier calls' text and what was measured."""
+        self.corpus = HistoryIndex(max_match=LookaheadDrafter.history_match)
+        self.cost = ForwardCost()
+        self.acceptance = {source: DepthAcceptance(prior, LookaheadDrafter.max_tokens)
+                           for source, prior in PRIOR_ACCEPTANCE.items()}
+        self.pool_gain = Ema()
+        self.round_tokens = Ema()
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """Add one call's prompt and output; past ``max_tokens``, keep the newest half."""
+        self.corpus.extend(tokens)
+        if len(self.corpus.tokens) > self.max_tokens:
+            kept = self.corpus.tokens[len(self.corpus.tokens) - self.max_tokens // 2:]
+            self.corpus = HistoryIndex(kept, max_match=self.corpus.max_match)

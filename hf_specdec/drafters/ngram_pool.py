@@ -97,10 +97,14 @@ class HistoryIndex:
         return [continuation for continuation, _ in self.matches(max_len, limit, suffix, max_scan, min_match)]
 
     def matches(
-        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 8, min_match: int = 1
+        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 8, min_match: int = 1,
+        suffix_only: bool = False,
     ) -> list[tuple[tuple[int, ...], int]]:
-        """``continuations`` with, for each, the length of the match it came from (how much context agreed)."""
-        context = self.tokens + [int(t) for t in suffix]
+        """``continuations`` with, for each, the length of the match it came from (how much context agreed).
+
+        ``suffix_only``: the context is ``suffix`` alone (look up text from elsewhere in this history)."""
+        context = ([] if suffix_only else self.tokens[-self.max_match:]) + [int(t) for t in suffix]
+        context = context[-self.max_match:]  # only this much can match
         if max_len < 1 or limit < 1 or not context:
             return []
         found: list[tuple[tuple[int, ...], int]] = []
