@@ -216,7 +216,7 @@ class LookaheadDrafter:
         self.round_tokens = self.memory.round_tokens  # tokens emitted per round
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
-        self.judging: list[tuple[tuple[int, ...], tuple[str, int]]] = []  # (tokens in the trie, source) of the last round
+        self.judging: list[tuple[tuple[int, ...], tuple[str, int]]] = []  # last round's (tokens in trie, source)
         self.fill_generator = torch.Generator().manual_seed(0)  # placeholders for fresh window columns
         self.fill_source = torch.zeros(1, dtype=torch.long)
         self.rows: torch.Tensor | None = None  # [N-1, W] window; rows[0, 0] = last committed token
