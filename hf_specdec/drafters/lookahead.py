@@ -208,12 +208,10 @@ class LookaheadDrafter:
         self.pool = NgramPool(config.max_pool_per_key)
         self.history: HistoryIndex | None = (
             HistoryIndex(max_match=self.history_match) if config.pool_from_prompt else None)
-        # what is learned (forward cost, acceptance by source) and earlier calls' text; a fresh one if none given
+        # what is learned (forward cost, acceptance by source) and earlier calls' text; without one, a private
+        # memory for this call alone, which is not worth extending at the end
         self.memory = memory if memory is not None else LookaheadMemory()
-        self.cost = self.memory.cost  # measured seconds of a target forward by its number of inputs
-        self.acceptance = self.memory.acceptance
-        self.pool_gain = self.memory.pool_gain  # tokens per round the pool's candidates add beyond the others
-        self.round_tokens = self.memory.round_tokens  # tokens emitted per round
+        self.keeps_memory = memory is not None
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
         self.judging: list[tuple[tuple[int, ...], tuple[str, int]]] = []  # last round's (tokens in trie, source)
@@ -223,6 +221,23 @@ class LookaheadDrafter:
         self.age: torch.Tensor | None = None  # [W] rounds since each column was filled
         self.pending_out: torch.Tensor | None = None  # [W] the window's new guesses from the last forward
         self.num_committed = 0  # committed tokens when the window was last aligned
+
+    # what the memory holds, read through it (``LookaheadMemory.clear`` replaces these objects)
+    @property
+    def cost(self) -> ForwardCost:
+        return self.memory.cost  # measured seconds of a target forward by its number of inputs
+
+    @property
+    def acceptance(self) -> dict[tuple[str, int], DepthAcceptance]:
+        return self.memory.acceptance
+
+    @property
+    def pool_gain(self) -> Ema:
+        return self.memory.pool_gain  # tokens per round the pool's candidates add beyond the others
+
+    @property
+    def round_tokens(self) -> Ema:
+        return self.memory.round_tokens  # tokens emitted per round
 
     # -- Drafter protocol -------------------------------------------------------------------------------------
     def prefill(self, prompt_ids: torch.LongTensor) -> float:
@@ -265,7 +280,7 @@ class LookaheadDrafter:
         pass  # the window is re-aligned at the next propose, once the round's last token is known
 
     def release(self) -> None:
-        if self.history is not None:
+        if self.keeps_memory and self.history is not None:
             self.memory.remember(self.history.tokens)  # prompt + output (but the last round's tokens)
         self.rows = self.age = self.pending_out = None
 
