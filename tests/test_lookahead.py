@@ -187,6 +187,24 @@ def test_depth_acceptance_learns_per_depth():
     assert rates.rate(4) == pytest.approx(0.3) and rates.rate(99) == rates.rate(4)  # never judged: the prior
 
 
+def test_alternative_continuations_are_learned_apart_from_the_first():
+    model = tiny_model("llama")
+    drafter = LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=model.config.vocab_size))
+    committed = torch.tensor([9, 1, 2, 9, 1, 3, 9, 1, 4, 9, 1])  # "9 1" was followed by 4, 3 and 2
+    drafter.prefill(committed[None])
+    found = drafter._candidates(committed, depth=1)
+    assert found == [((4,), ("history", 2)), ((3,), ("history_alt", 2)), ((2,), ("history_alt", 2))]
+    for _ in range(20):  # the target always takes the first continuation
+        drafter.judging = found
+        drafter.num_committed = len(committed)
+        drafter._learn(torch.cat([committed, torch.tensor([4, 7])]))
+    first, alternative = drafter.acceptance[("history", 2)], drafter.acceptance[("history_alt", 2)]
+    assert first.rate(1) > 0.85 and alternative.rate(1) < 0.1
+    # so a trie of alternatives is not credited with more tokens than one can give
+    ranked = rank_prefixes([(tokens, [drafter.acceptance[source].rate(1)]) for tokens, source in found])
+    assert sum(gain for _, gain in ranked) < 1.0
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="window"):
         LookaheadConfig(window=0)

@@ -28,6 +28,13 @@ def test_history_prefers_longer_then_more_recent_matches():
     assert index.continuations(max_len=2, limit=1) == [(8, 7)]
 
 
+def test_history_ranks_the_most_frequent_continuation_first():
+    # after "5": 1 once (most recent), 2 twice; the text's own estimate puts 2 first, recency breaks the 1-1 tie
+    index = HistoryIndex([5, 2, 0, 5, 2, 3, 5, 1, 4, 5], max_match=1)
+    assert index.continuations(max_len=2, limit=3) == [(2, 3), (2, 0), (1, 4)]
+    assert index.continuations(max_len=2, limit=3, max_scan=1) == [(1, 4)]  # only the most recent occurrence
+
+
 def test_history_grows_and_skips_prefixes_of_found_candidates():
     index = HistoryIndex([4, 5, 6, 4, 5], max_match=3)
     assert index.continuations(max_len=4, limit=4) == [(6, 4, 5)]

@@ -63,11 +63,16 @@ class StepShape:
 # Where a candidate came from, which is what its acceptance is learned by:
 POOL = ("pool", 0)  # the window's n-gram pool
 # ("history", m): prompt lookup in this call's prompt + output, the last m tokens matched;
-# ("memory", m): the same in the prompts and outputs of earlier calls (``LookaheadMemory``)
+# ("memory", m): the same in the prompts and outputs of earlier calls (``LookaheadMemory``);
+# ("history_alt", m), ("memory_alt", m): the other continuations the same lookup found. They are alternatives to
+# the first (at most one of them can be right), so they are learned apart: counting them as likely as the first
+# would credit a trie of many alternatives with more tokens than it can give.
 PRIOR_ACCEPTANCE = {
     POOL: 0.25,
     **{("history", m): rate for m, rate in zip((1, 2, 3, 4), (0.3, 0.45, 0.6, 0.7))},
     **{("memory", m): rate for m, rate in zip((1, 2, 3, 4), (0.15, 0.3, 0.45, 0.55))},
+    **{("history_alt", m): rate for m, rate in zip((1, 2, 3, 4), (0.1, 0.15, 0.2, 0.25))},
+    **{("memory_alt", m): rate for m, rate in zip((1, 2, 3, 4), (0.05, 0.1, 0.15, 0.2))},
 }
 
 
@@ -105,21 +110,41 @@ def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -
     """Every distinct prefix of the candidates with its gain, best first.
 
     ``candidates``: (tokens, per-depth acceptance rates). The gain of a prefix is the probability that all of it
-    is accepted (the product of its candidate's rates; a prefix shared by several candidates takes the highest),
-    i.e. what its last token adds to the expected number of accepted tokens. A parent's gain is never below its
-    child's, and ties go to the shorter prefix, so every prefix comes after its parent: the first n prefixes
-    always form a trie.
+    is accepted, i.e. what its last token adds to the expected number of accepted tokens. Along one candidate it
+    is the product of its rates (a prefix shared by several candidates takes the highest). Siblings are
+    alternatives, at most one of which the target takes, so their chances cannot simply add up: under a parent,
+    the children's conditional rates are scaled to share the chance that any of them is right, ``1 - prod(1 -
+    rate)`` (with one child, nothing changes), and the scale passes down to their descendants. A parent's gain is
+    never below its child's, and ties go to the shorter prefix, so every prefix comes after its parent: the first
+    n prefixes always form a trie.
 
-    >>> rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5)), ((3,), (0.6,))])
-    [((7,), 0.9), ((3,), 0.6), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
+    >>> rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5))])
+    [((7,), 0.9), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
+    >>> [(prefix, round(gain, 3)) for prefix, gain in rank_prefixes([((7, 8), (0.9, 0.5)), ((3,), (0.6,))])]
+    [((7,), 0.576), ((3,), 0.384), ((7, 8), 0.288)]
     """
-    gains: dict[tuple[int, ...], float] = {}
+    along: dict[tuple[int, ...], float] = {(): 1.0}  # the product of rates along the best candidate
     for tokens, rates in candidates:
         all_kept = 1.0
         for depth in range(len(tokens)):
             all_kept *= rates[depth]
             prefix = tuple(int(t) for t in tokens[: depth + 1])
-            gains[prefix] = max(gains.get(prefix, 0.0), all_kept)
+            along[prefix] = max(along.get(prefix, 0.0), all_kept)
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for prefix in along:
+        if prefix:
+            children.setdefault(prefix[:-1], []).append(prefix)
+    gains: dict[tuple[int, ...], float] = {(): 1.0}
+    for parent in sorted(children, key=len):  # parents before their children
+        conditional = [along[child] / along[parent] for child in children[parent]]
+        any_right, none_right = 0.0, 1.0
+        for rate in conditional:
+            none_right *= 1.0 - rate
+            any_right += rate
+        share = (1.0 - none_right) / any_right if any_right > 0 else 0.0
+        for child, rate in zip(children[parent], conditional):
+            gains[child] = gains[parent] * rate * share
+    del gains[()]
     return sorted(gains.items(), key=lambda item: (-item[1], len(item[0])))
 
 
@@ -375,16 +400,20 @@ class LookaheadDrafter:
 
     def _candidates(self, committed: torch.Tensor, depth: int) -> list[tuple[tuple[int, ...], tuple[str, int]]]:
         """(tokens, source) candidates continuing the last token: prompt lookup in this call's text, then in
-        earlier calls' text (``LookaheadMemory``), then pool n-grams chained (see ``PRIOR_ACCEPTANCE``)."""
+        earlier calls' text (``LookaheadMemory``), each lookup's first continuation apart from its alternatives,
+        then pool n-grams chained (see ``PRIOR_ACCEPTANCE``)."""
         if depth <= 0:
             return []
         limit = self.max_candidates_per_source
         found: list[tuple[tuple[int, ...], tuple[str, int]]] = []
         if self.history is not None:
-            found += [(tokens, ("history", n)) for tokens, n in self.history.matches(max_len=depth, limit=limit)]
             tail = committed[-self.history_match:].tolist()
-            found += [(tokens, ("memory", n)) for tokens, n in self.memory.corpus.matches(
-                max_len=depth, limit=limit, suffix=tail, suffix_only=True)]
+            for kind, matches in (
+                ("history", self.history.matches(max_len=depth, limit=limit)),
+                ("memory", self.memory.corpus.matches(max_len=depth, limit=limit, suffix=tail, suffix_only=True)),
+            ):
+                found += [(tokens, (kind if rank == 0 else f"{kind}_alt", n))
+                          for rank, (tokens, n) in enumerate(matches)]
         for ngram in self.pool.lookup(int(committed[-1]), limit=limit):
             found.append((self._chain(ngram, depth), POOL))
         return found

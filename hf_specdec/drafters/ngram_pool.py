@@ -8,7 +8,8 @@ Two sources, both plain Python over token ids (no model, no tensors):
 
 ``HistoryIndex``
     Prompt lookup over the prompt plus everything generated so far (code repeats itself a lot): the most recent
-    earlier occurrences of the last 1..``max_match`` tokens, and what followed them. Longer matches rank first.
+    earlier occurrences of the last 1..``max_match`` tokens, and what followed them. Longer matches rank first,
+    then the continuation that followed most often.
     This replaces LADE's ``POOL_FROM_PROMPT`` (which only stores fixed-length n-grams keyed by one token) with
     variable-length continuations, so one candidate can run past N tokens.
 
@@ -25,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Iterable, Sequence
 
 
@@ -91,17 +92,21 @@ class HistoryIndex:
     ) -> list[tuple[int, ...]]:
         """Up to ``limit`` distinct continuations (each at most ``max_len`` tokens) of ``history + suffix``.
 
-        Matches of the last ``max_match`` tokens come first, then shorter ones; within a length, the most recent
-        occurrence first. At most ``max_scan`` occurrences are examined per match length.
+        Matches of the last ``max_match`` tokens come first, then shorter ones; within a length, the most frequent
+        next token first, then the most recent occurrence. At most ``max_scan`` occurrences (the newest) are
+        examined per match length.
         """
         return [continuation for continuation, _ in self.matches(max_len, limit, suffix, max_scan, min_match)]
 
     def matches(
-        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 8, min_match: int = 1,
+        self, max_len: int, limit: int, suffix: Sequence[int] = (), max_scan: int = 16, min_match: int = 1,
         suffix_only: bool = False,
     ) -> list[tuple[tuple[int, ...], int]]:
         """``continuations`` with, for each, the length of the match it came from (how much context agreed).
 
+        Within one match length, the continuation whose first token followed the context most often among the
+        ``max_scan`` most recent occurrences comes first (the text's own estimate of what comes next; REST and
+        SuffixDecoding rank by frequency too), ties to the most recent.
         ``suffix_only``: the context is ``suffix`` alone (look up text from elsewhere in this history)."""
         context = ([] if suffix_only else self.tokens[-self.max_match:]) + [int(t) for t in suffix]
         context = context[-self.max_match:]  # only this much can match
@@ -111,17 +116,18 @@ class HistoryIndex:
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_match, len(context)), max(min_match, 1) - 1, -1):
             ends = self._ends.get(tuple(context[-n:]), [])
-            scanned = 0
-            for end in reversed(ends):
-                continuation = tuple(self.tokens[end : end + max_len])
-                scanned += 1  # the current end of the history matches itself: empty continuation, skipped
-                if continuation and continuation not in seen and not _is_prefix_of_any(continuation, found):
+            last = len(ends) - 1
+            if last >= 0 and ends[last] == len(self.tokens):
+                last -= 1  # the end of the history matches itself, with nothing after it
+            recent = [tuple(self.tokens[ends[i] : ends[i] + max_len])  # the newest occurrences first
+                      for i in range(last, max(last - max_scan, -1), -1)]
+            followed = Counter(continuation[0] for continuation in recent)
+            for continuation in sorted(recent, key=lambda c: -followed[c[0]]):  # stable: recency breaks ties
+                if continuation not in seen and not _is_prefix_of_any(continuation, found):
                     seen.add(continuation)
                     found.append((continuation, n))
                     if len(found) >= limit:
                         return found
-                if scanned >= max_scan:
-                    break
         return found
 
 
