@@ -110,41 +110,21 @@ def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -
     """Every distinct prefix of the candidates with its gain, best first.
 
     ``candidates``: (tokens, per-depth acceptance rates). The gain of a prefix is the probability that all of it
-    is accepted, i.e. what its last token adds to the expected number of accepted tokens. Along one candidate it
-    is the product of its rates (a prefix shared by several candidates takes the highest). Siblings are
-    alternatives, at most one of which the target takes, so their chances cannot simply add up: under a parent,
-    the children's conditional rates are scaled to share the chance that any of them is right, ``1 - prod(1 -
-    rate)`` (with one child, nothing changes), and the scale passes down to their descendants. A parent's gain is
-    never below its child's, and ties go to the shorter prefix, so every prefix comes after its parent: the first
-    n prefixes always form a trie.
+    is accepted (the product of its candidate's rates; a prefix shared by several candidates takes the highest),
+    i.e. what its last token adds to the expected number of accepted tokens. A parent's gain is never below its
+    child's, and ties go to the shorter prefix, so every prefix comes after its parent: the first n prefixes
+    always form a trie.
 
-    >>> rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5))])
-    [((7,), 0.9), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
-    >>> [(prefix, round(gain, 3)) for prefix, gain in rank_prefixes([((7, 8), (0.9, 0.5)), ((3,), (0.6,))])]
-    [((7,), 0.576), ((3,), 0.384), ((7, 8), 0.288)]
+    >>> rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5)), ((3,), (0.6,))])
+    [((7,), 0.9), ((3,), 0.6), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
     """
-    along: dict[tuple[int, ...], float] = {(): 1.0}  # the product of rates along the best candidate
+    gains: dict[tuple[int, ...], float] = {}
     for tokens, rates in candidates:
         all_kept = 1.0
         for depth in range(len(tokens)):
             all_kept *= rates[depth]
             prefix = tuple(int(t) for t in tokens[: depth + 1])
-            along[prefix] = max(along.get(prefix, 0.0), all_kept)
-    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    for prefix in along:
-        if prefix:
-            children.setdefault(prefix[:-1], []).append(prefix)
-    gains: dict[tuple[int, ...], float] = {(): 1.0}
-    for parent in sorted(children, key=len):  # parents before their children
-        conditional = [along[child] / along[parent] for child in children[parent]]
-        any_right, none_right = 0.0, 1.0
-        for rate in conditional:
-            none_right *= 1.0 - rate
-            any_right += rate
-        share = (1.0 - none_right) / any_right if any_right > 0 else 0.0
-        for child, rate in zip(children[parent], conditional):
-            gains[child] = gains[parent] * rate * share
-    del gains[()]
+            gains[prefix] = max(gains.get(prefix, 0.0), all_kept)
     return sorted(gains.items(), key=lambda item: (-item[1], len(item[0])))
 
 
