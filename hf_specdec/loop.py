@@ -179,6 +179,10 @@ def _tree_round(inputs: DecodeInputs, ids: torch.LongTensor, tree: TreeProposal,
                         attention_mask=tree.attention_mask)[:, : inputs.vocab_size]  # [1 + T + W, V]
     num_trie_rows = layout.trie_index.shape[0]
     window_tokens = logits[num_trie_rows:].argmax(dim=-1)  # [W] next Jacobi guesses (argmax, as LADE)
+    # the target's top choices after every input whose logits were computed (trie rows, then the window's bottom
+    # row), for the drafter to recycle: [1 + T + W], [1 + T + W, K]
+    predicted_after = layout.input_ids[0, needed]
+    top_next = logits.topk(drafter.recycle_width, dim=-1).indices
     scores = _process_tree(inputs, ids, trie, logits[:num_trie_rows])  # [1 + T, V]
     if inputs.do_sample:  # one independent sample per node: following matching children is exactly lossless
         target_tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=inputs.generator)[:, 0]
@@ -188,7 +192,7 @@ def _tree_round(inputs: DecodeInputs, ids: torch.LongTensor, tree: TreeProposal,
     keep = accepted_input_index(trie, accepted, num_window_tokens=layout.num_tokens - len(trie))
     kv.compact(cache, start, torch.tensor(keep, dtype=torch.long))
     verify_time = time.perf_counter() - verify_start
-    drafter.observe_forward(window_tokens, layout.num_tokens, verify_time)
+    drafter.observe_forward(window_tokens, layout.num_tokens, verify_time, predicted_after, top_next)
     path_tokens = torch.tensor([trie.tokens[node] for node in accepted], dtype=torch.long)
     path_scores = scores[[0] + [1 + node for node in accepted]]  # rows of the emitted tokens
     return Verdict(len(accepted), next_token), path_tokens, path_scores, verify_time

@@ -277,3 +277,45 @@ def test_memory_is_bounded_and_validated():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="LookaheadMemory"):
         lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory={"corpus": []})
+
+
+# -- Token Recycling: the target's own top choices, kept per token ---------------------------------------------------
+def test_memory_keeps_the_newest_top_choices_after_each_token():
+    memory = LookaheadMemory()
+    memory.recycle(torch.tensor([5, 9]), torch.tensor([[6, 7], [1, 2]]))
+    memory.recycle(torch.tensor([5]), torch.tensor([[8, 6]]))  # 5 read again, in another context: newest wins
+    assert memory.successors[5].tolist() == [8, 6]
+    assert memory.successors[9].tolist() == [1, 2]
+    assert memory.successors[3].tolist() == [-1, -1]  # never read: unknown
+    memory.recycle(torch.tensor([5000]), torch.tensor([[4, 4]]))  # grows to new token ids, keeps the rest
+    assert memory.successors[5000].tolist() == [4, 4] and memory.successors[5].tolist() == [8, 6]
+    memory.clear()
+    assert memory.successors is None
+
+
+def test_recycled_candidates_chain_each_top_choice_by_the_top_choice_after_it():
+    model = tiny_model("llama")
+    drafter = LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=model.config.vocab_size))
+    drafter.memory.recycle(torch.tensor([5, 6, 7, 9]), torch.tensor([[6, 7, 9, 1], [9, 2, 3, 4], [8, 2, 3, 4],
+                                                                      [5, 2, 3, 4]]))
+    drafter.recycle_branches, drafter.recycle_second = 3, 1
+    found = drafter._recycled(5, depth=4)
+    # after 5 the target chose 6 (then 7, 9); 6 -> 9 -> 5 -> 6 ...; 7 -> 8 (8 never read: the chain stops);
+    # and through the second choice after 6 (2, never read)
+    assert found == [((6, 9, 5, 6), ("recycle", 0)), ((7, 8), ("recycle", 1)), ((9, 5, 6, 9), ("recycle", 2)),
+                     ((6, 2), ("recycle_second", 0))]
+    assert drafter._recycled(5, depth=2)[0] == ((6, 9), ("recycle", 0))  # no deeper than asked
+    assert drafter._recycled(3, depth=4) == []  # nothing known after 3
+
+
+def test_a_call_fills_the_recycling_table_and_keeps_output_exact():
+    model = tiny_model("qwen2")
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    memory = hf_specdec.LookaheadMemory()
+    plain = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    for _ in range(2):  # the second call starts from the first one's table
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False,
+                             custom_generate=hf_specdec.lookahead_generate, lookahead_memory=memory)
+        assert torch.equal(out, plain)
+    known = (memory.successors[:, 0] >= 0).nonzero()[:, 0].tolist()
+    assert set(prompt[0, -1:].tolist() + out[0, prompt.shape[1]:-1].tolist()) <= set(known)

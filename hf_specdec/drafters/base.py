@@ -27,7 +27,8 @@ class Proposal:
     num_lookup_tokens: int = 0  # trailing tokens appended from prompt lookup (not chosen by the draft-length policy)
     # lookahead: a candidate trie plus Jacobi-window tokens, with their 4-D mask and position ids
     # (layout.py). The loop then verifies the trie instead of the chain ``token_ids``, and calls the
-    # drafter's ``observe_forward(window_tokens [W], num_tokens, seconds)`` after the forward.
+    # drafter's ``observe_forward(window_tokens [W], num_tokens, seconds, inputs [R], top_next [R, K])`` after
+    # the forward (K = the drafter's ``recycle_width``: the target's top choices after each input it computed).
     tree: TreeProposal | None = None
 
     @property
