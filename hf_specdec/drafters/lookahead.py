@@ -421,13 +421,14 @@ class LookaheadDrafter:
     def _recycled(self, last: int, depth: int) -> list[tuple[tuple[int, ...], tuple[str, int]]]:
         """Token Recycling (Luo et al. 2025): the target's top choices the last time it read ``last``, each
         continued by the top choice after it, and so on (chains up to ``depth``); source ("recycle", rank)."""
-        successors = self.memory.successors
+        successors = self.memory.successors  # covers every token it holds (``LookaheadMemory.recycle``)
         if successors is None or last >= successors.shape[0]:
             return []
+
         def chain(start: list[int]) -> tuple[int, ...]:
             tokens = list(start)
             while len(tokens) < min(depth, self.recycle_depth):
-                following = int(successors[tokens[-1], 0]) if tokens[-1] < successors.shape[0] else -1
+                following = int(successors[tokens[-1], 0])
                 if following < 0:
                     break
                 tokens.append(following)
@@ -439,7 +440,7 @@ class LookaheadDrafter:
             if first < 0:
                 break
             found.append((chain([first]), ("recycle", rank)))
-        if depth >= 2 and self.recycle_second and firsts and 0 <= firsts[0] < successors.shape[0]:
+        if depth >= 2 and self.recycle_second and found:
             seconds = successors[firsts[0], 1: 1 + self.recycle_second].tolist()
             for rank, second in enumerate(seconds):
                 if second < 0:
@@ -501,7 +502,10 @@ class LookaheadMemory:
         self.successors: torch.Tensor | None = None  # [V, K] the target's top choices after each token, -1 unknown
 
     def recycle(self, inputs: torch.LongTensor, top_next: torch.LongTensor) -> None:
-        """Keep the target's newest top choices ``top_next`` [R, K] after each of the tokens ``inputs`` [R]."""
+        """Keep the target's newest top choices ``top_next`` [R, K] after each of the tokens ``inputs`` [R].
+
+        The table grows to hold every token it names, as an input or a choice, so a chain can always look up the
+        choices after any token it holds."""
         needed = int(max(int(inputs.max()), int(top_next.max()))) + 1
         if self.successors is None or self.successors.shape[0] < needed:
             size = max(needed, 1024, 2 * (0 if self.successors is None else self.successors.shape[0]))
