@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 
-from hf_specdec.models import bundles, loading, memory
+from hf_specdec.models import bundles, hardware, loading
 from hf_specdec.models._testing import fake_bundle, tiny_model_dir
 from hf_specdec.models.bundles import BundleError, assemble, gguf_path
 from hf_specdec.models.cli import main as cli_main
@@ -144,25 +144,25 @@ def test_reference_kind(tmp_path):
     (set(), torch.float32),
 ])
 def test_dtype_auto_cpu(monkeypatch, flags, expected):
-    monkeypatch.setattr(memory, "cpu_flags", lambda: frozenset(flags))
-    assert memory.resolve_dtype("auto", "cpu") == expected
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+    assert hardware.resolve_dtype("auto", "cpu") == expected
 
 
 @pytest.mark.parametrize("bf16,expected", [(True, torch.bfloat16), (False, torch.float16)])
 def test_dtype_auto_cuda(monkeypatch, bf16, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
-    assert memory.resolve_dtype("auto", "cuda") == expected
+    assert hardware.resolve_dtype("auto", "cuda") == expected
 
 
 def test_dtype_names():
-    assert memory.resolve_dtype("bf16") == torch.bfloat16 and memory.resolve_dtype("float32") == torch.float32
-    assert memory.resolve_dtype(torch.float16) == torch.float16
+    assert hardware.resolve_dtype("bf16") == torch.bfloat16 and hardware.resolve_dtype("float32") == torch.float32
+    assert hardware.resolve_dtype(torch.float16) == torch.float16
     with pytest.raises(ValueError, match="dtype"):
-        memory.resolve_dtype("int3")
+        hardware.resolve_dtype("int3")
     with pytest.raises(ValueError, match="quantize"):
-        memory.quantization_config("2bit")
-    q = memory.quantization_config("4bit")
+        hardware.quantization_config("2bit")
+    q = hardware.quantization_config("4bit")
     assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_compute_dtype == torch.bfloat16
 
 
@@ -174,7 +174,7 @@ def tiny_dir(tmp_path_factory):
 def test_load_local_dir_and_footprint(tiny_dir):
     model, tok = loading.load_model(str(tiny_dir), dtype="fp32")
     assert not model.training and model.dtype == torch.float32
-    assert memory.footprint_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) + sum(
+    assert hardware.footprint_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())
     assert model.hf_specdec_load_info["kind"] == "pretrained"
     assert tok("def return").input_ids
@@ -186,7 +186,7 @@ def test_load_4bit_tiny(tmp_path):
     full, _ = loading.load_model(str(path), dtype="bf16")
     q, _ = loading.load_model(str(path), dtype="bf16", quantize="4bit")
     assert type(q.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
-    assert memory.footprint_bytes(q) < memory.footprint_bytes(full)
+    assert hardware.footprint_bytes(q) < hardware.footprint_bytes(full)
     with torch.no_grad():
         assert q(torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, full.config.vocab_size)
 
@@ -202,7 +202,7 @@ def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
         raise exc
 
     monkeypatch.setattr(loading, "_from_pretrained", boom)
-    with pytest.raises(memory.ModelLoadOOMError, match="4-bit") as info:
+    with pytest.raises(hardware.ModelLoadOOMError, match="4-bit") as info:
         loading.load_model(str(tiny_dir), dtype="bf16")
     assert isinstance(info.value, RuntimeError) and "smaller draft" in str(info.value)
     assert info.value.__cause__ is exc
@@ -212,7 +212,7 @@ def test_other_load_errors_pass_through(monkeypatch, tiny_dir):
     monkeypatch.setattr(loading, "_from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
     with pytest.raises(RuntimeError, match="bad") as info:
         loading.load_model(str(tiny_dir))
-    assert not isinstance(info.value, memory.ModelLoadOOMError)
+    assert not isinstance(info.value, hardware.ModelLoadOOMError)
 
 
 # ---------------------------------------------------------------------------------------------------------

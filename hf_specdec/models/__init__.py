@@ -9,7 +9,7 @@ Importing this package downloads nothing; bundles are fetched and converted on f
 
 from .bundles import BUNDLES, Bundle, BundleError, bundle_status, ensure_bundle, resolve_cache_dir
 from .loading import load_model, reference_kind, resolve_reference
-from .memory import ModelLoadOOMError, footprint_bytes, resolve_device, resolve_dtype
+from .hardware import ModelLoadOOMError, footprint_bytes, resolve_device, resolve_dtype
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"

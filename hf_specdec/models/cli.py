@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .bundles import BUNDLES, BundleError, bundle_status, ensure_bundle, resolve_cache_dir
-from .memory import ModelLoadOOMError
+from .hardware import ModelLoadOOMError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 

@@ -36,7 +36,7 @@ import torch
 
 from .bundles import BUNDLES
 from .loading import load_config, load_model, load_tokenizer, reference_kind, resolve_reference
-from .memory import cpu_has_bf16, footprint_bytes, resolve_device, resolve_dtype
+from .hardware import cpu_has_bf16, footprint_bytes, resolve_device, resolve_dtype
 
 SCHEMA = "hf_specdec.check/1"
 RATIO_GUIDANCE = 1 / 50

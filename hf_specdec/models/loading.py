@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from .bundles import BUNDLES, ensure_bundle
-from .memory import oom_guard, quantization_config, resolve_device, resolve_dtype
+from .hardware import oom_guard, quantization_config, resolve_device, resolve_dtype
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def load_model(ref: str, *, dtype: str | torch.dtype = "auto", quantize: str | N
     ``dtype``: "auto" (see :func:`resolve_dtype`), "bf16", "fp16", "fp32" or a torch.dtype; it is the compute
     dtype of a quantized model. ``quantize``: None, "4bit" (bitsandbytes NF4) or "8bit", on CPU and CUDA; meant
     for the draft. A bundle is fetched and converted on first use (progress on stderr). Running out of memory
-    raises :class:`~hf_specdec.models.memory.ModelLoadOOMError` with what to try instead.
+    raises :class:`~hf_specdec.models.hardware.ModelLoadOOMError` with what to try instead.
     """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)

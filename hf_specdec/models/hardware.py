@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..errors import is_out_of_memory
+
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -130,16 +132,6 @@ def footprint_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def is_oom_error(exc: BaseException) -> bool:
-    """True for CUDA OOM, MemoryError, and RuntimeErrors of a failed allocation."""
-    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(exc, MemoryError):
-        return True
-    if isinstance(exc, RuntimeError):
-        msg = str(exc).lower()
-        return "allocate" in msg or "out of memory" in msg
-    return False
-
-
 def oom_message(ref: str, device: str, dtype: torch.dtype, quantize: str | None, exc: BaseException) -> str:
     remedies = []
     if quantize != "4bit":
@@ -165,8 +157,8 @@ def oom_guard(ref: str, device: str, dtype: torch.dtype, quantize: str | None = 
         yield
     except ModelLoadOOMError:
         raise
-    except BaseException as exc:  # noqa: BLE001 - filtered by is_oom_error
-        if not is_oom_error(exc):
+    except BaseException as exc:  # noqa: BLE001 - filtered by is_out_of_memory
+        if not is_out_of_memory(exc):
             raise
         if device.startswith("cuda") and torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,281 @@
+"""What things cost and how often guesses are right: the one cost model and the one acceptance estimator.
+
+Every sizing decision in hf_specdec (``policy.py``) is an argmax of expected tokens per second, so it needs
+two kinds of numbers, both measured on the machine it runs on and never assumed:
+
+- costs: ``ForwardCost`` t(n), seconds of one target forward over n new tokens (monotone, interpolated), and an
+  ``Ema`` of the seconds of one draft-model step, t_d;
+- acceptance: ``DecayedAcceptance``, P(a guess at position i is accepted | the guesses before it were), one per
+  source of guesses (the draft model, prompt lookup, the lookahead pool, ...), decayed counts with a Beta prior.
+
+``Estimates`` holds one set of them: per call, or carried across calls (``LookaheadMemory``). ``expected_tokens``
+and ``best_count`` are the arithmetic every policy shares. ``forward_times`` is the one offline measurement of
+t(n) (``hf-specdec check``, the eval harness, the hardware profile).
+
+Terms (see ``verify.py``): c = t_d / t(1); v(n) = t(n) / t(1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+
+class Ema:
+    """Exponential moving average that starts at its first sample.
+
+    >>> ema = Ema(weight=0.5)
+    >>> ema.value is None
+    True
+    >>> ema.update(2.0); ema.update(4.0); ema.value
+    3.0
+    """
+
+    __slots__ = ("value", "weight")
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.value: float | None = None
+        self.weight = weight
+
+    def update(self, sample: float) -> None:
+        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
+
+
+class ForwardCost:
+    """Measured seconds of one target forward as a function of n, the number of new tokens it reads.
+
+    Each size keeps an exponential moving average of its timings. ``estimate`` makes sizes n >= 2 monotone (a
+    forward over more tokens costs no less, so every measurement at m >= n also bounds t(n) from above; one slow
+    sample cannot make longer forwards look cheap), interpolates linearly between measured sizes and, beyond the
+    largest, is flat (optimistic: a longer forward gets tried once and then is measured) or, with
+    ``extrapolate``, continues the slope of the two largest measured sizes.
+
+    t(1) stands on its own: a one-token forward runs matrix-vector products, which can cost more than a product
+    over a few rows (measured on an AMD EPYC CPU in bf16, oneDNN: 0.22 s for one token, 0.19 s for two, 0.21 s
+    for four). Bounding it by the larger sizes would hide that a round verifying a guess or two is cheaper than
+    a plain step.
+
+    >>> cost = ForwardCost()
+    >>> for n, seconds in [(1, 0.20), (4, 0.20), (8, 0.26), (2, 0.30)]:
+    ...     cost.observe(n, seconds)
+    >>> cost.estimate(2), cost.estimate(6), cost.estimate(16), cost.estimate(16, extrapolate=True)
+    (0.2, 0.23, 0.26, 0.38)
+    >>> cost.observe(1, 0.24)  # a matrix-vector step slower than the two-to-four-token products
+    >>> round(cost.estimate(1), 3), cost.estimate(2)
+    (0.212, 0.2)
+    >>> ForwardCost.from_table({1: 1.0, 4: 1.5}).estimate(3)
+    1.333333333333
+    """
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, Ema] = {}
+
+    @classmethod
+    def from_table(cls, seconds_by_size: Mapping[int, float]) -> "ForwardCost":
+        """A cost curve from measured points (seconds, or any unit: v(n) works as well as t(n))."""
+        cost = cls()
+        for n, seconds in seconds_by_size.items():
+            cost.observe(int(n), float(seconds))
+        return cost
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self._by_size.setdefault(int(num_tokens), Ema()).update(seconds)
+
+    def measured(self, num_tokens: int) -> bool:
+        return int(num_tokens) in self._by_size
+
+    @property
+    def largest(self) -> int:
+        """The largest size measured so far (0 before any measurement)."""
+        return max(self._by_size, default=0)
+
+    def table(self) -> dict[int, float]:
+        """The averaged measurement at each measured size."""
+        return {n: ema.value for n, ema in sorted(self._by_size.items())}
+
+    def estimate(self, n: int, extrapolate: bool = False) -> float | None:
+        """Seconds for a forward over n new tokens; None before anything was measured."""
+        if not self._by_size:
+            return None
+        sizes = sorted(self._by_size)
+        bounded, running = {}, float("inf")
+        for m in reversed(sizes):
+            running = min(running, self._by_size[m].value) if m >= 2 else self._by_size[m].value
+            bounded[m] = running
+        if n <= sizes[0]:
+            return bounded[sizes[0]]
+        if n >= sizes[-1]:
+            if extrapolate and len(sizes) >= 2:  # continue the slope of the two largest measured sizes
+                slope = (bounded[sizes[-1]] - bounded[sizes[-2]]) / (sizes[-1] - sizes[-2])
+                return round(bounded[sizes[-1]] + max(0.0, slope) * (n - sizes[-1]), 12)
+            return bounded[sizes[-1]]
+        high = next(m for m in sizes if m >= n)
+        low = max(m for m in sizes if m <= n)
+        if high == low:
+            return bounded[n]
+        return round(bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low), 12)
+
+
+class DecayedAcceptance:
+    """P(a guess in slot i is accepted | it was judged), from decayed counts with a Beta prior.
+
+    A slot is a position along a candidate (1 = its first token), or a confidence bin. The estimate is
+    ``(kept[i] + weight * prior) / (judged[i] + weight)``: with nothing seen it is the prior, and ``weight``
+    says how many observations the prior is worth. Each ``observe`` first multiplies every count by ``decay``
+    (old rounds fade), then adds one observation. A candidate is judged at every position up to its first
+    rejection: its accepted prefix plus the first miss (positions after a miss were never judged).
+
+    >>> rates = DecayedAcceptance(prior=0.5, slots=4)
+    >>> rates.observe(judged=3, accepted=2)
+    >>> [round(rates.rate(i), 2) for i in (1, 2, 3, 4)]
+    [0.67, 0.67, 0.33, 0.5]
+    >>> calibration = DecayedAcceptance(prior=0.0, slots=10)  # per confidence bin, prior given per lookup
+    >>> calibration.observe_slots([(9, True)]); round(calibration.rate(9, prior=0.95), 3)
+    0.967
+    """
+
+    __slots__ = ("prior", "weight", "decay", "judged", "kept")
+
+    def __init__(self, prior: float, weight: float = 2.0, decay: float = 1.0, slots: int = 32) -> None:
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.judged = [0.0] * slots
+        self.kept = [0.0] * slots
+
+    def rate(self, slot: int, prior: float | None = None) -> float:
+        """The estimate for ``slot`` (1-based; slots past the last share the last), with an optional prior."""
+        i = min(slot, len(self.judged)) - 1
+        centre = self.prior if prior is None else prior
+        return (self.kept[i] + self.weight * centre) / (self.judged[i] + self.weight)
+
+    def rates(self, count: int) -> list[float]:
+        """``rate(1) .. rate(count)``."""
+        return [self.rate(i) for i in range(1, count + 1)]
+
+    def observe(self, judged: int, accepted: int) -> None:
+        """One candidate: positions 1..judged were judged, 1..accepted kept."""
+        self.observe_slots([(i, i <= accepted) for i in range(1, judged + 1)])
+
+    def observe_slots(self, outcomes: Sequence[tuple[int, bool]]) -> None:
+        """Decay once, then add one (slot, kept) observation each."""
+        if self.decay != 1.0:
+            self.judged = [x * self.decay for x in self.judged]
+            self.kept = [x * self.decay for x in self.kept]
+        last = len(self.judged)
+        for slot, kept in outcomes:
+            i = min(slot, last) - 1
+            self.judged[i] += 1.0
+            if kept:
+                self.kept[i] += 1.0
+
+
+def prefix_gains(rates: Sequence[float]) -> list[float]:
+    """P(the first i guesses are all accepted) for i = 1..len(rates), from conditional rates.
+
+    >>> prefix_gains([0.5, 0.5, 1.0])
+    [0.5, 0.25, 0.25]
+    """
+    gains, all_kept = [], 1.0
+    for rate in rates:
+        all_kept *= rate
+        gains.append(all_kept)
+    return gains
+
+
+def expected_tokens(gains: Sequence[float], base: float = 1.0) -> float:
+    """Tokens a round emits on average: ``base`` (the target's own token) plus the chance of every guess.
+
+    >>> expected_tokens(prefix_gains([0.5, 0.5]))
+    1.75
+    """
+    return base + sum(gains)
+
+
+def best_count(gains: Sequence[float], seconds: Callable[[int], float | None], limit: int | None = None,
+               base: float = 1.0) -> int:
+    """The n in [0, limit] that maximises expected tokens per second, ``(base + sum(gains[:n])) / seconds(n)``.
+
+    ``gains[i]``: what the (i+1)-th guess adds to the expected tokens (the chance it and every guess before it
+    is accepted); ``seconds(n)``: the measured time of a round with n guesses (None: unknown, never chosen).
+    Ties go to the smaller n: a guess must pay for itself.
+
+    >>> flat, steep = (lambda n: 1.0), (lambda n: 1.0 + 0.5 * n)
+    >>> best_count([0.9, 0.8, 0.1], flat), best_count([0.9, 0.8, 0.1], steep), best_count([0.3], steep)
+    (3, 2, 0)
+    """
+    limit = len(gains) if limit is None else min(limit, len(gains))
+    best, best_rate, emitted = 0, -1.0, base
+    for n in range(limit + 1):
+        if n:
+            emitted += gains[n - 1]
+        cost = seconds(n)
+        if cost is None or cost <= 0:
+            continue
+        if emitted / cost > best_rate:
+            best, best_rate = n, emitted / cost
+    return best
+
+
+@dataclass
+class Estimates:
+    """Everything measured or learned while decoding that sizing decisions read.
+
+    ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward; ``acceptance``: one
+    ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
+    its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
+    (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.
+    """
+
+    forward: ForwardCost = field(default_factory=ForwardCost)
+    draft_step: Ema = field(default_factory=Ema)
+    acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
+    emas: dict[str, Ema] = field(default_factory=dict)
+
+    def source(self, key: tuple[str, int], prior: float, weight: float = 2.0, decay: float = 1.0,
+               slots: int = 32) -> DecayedAcceptance:
+        """The estimator of one source of guesses, made with this prior on first use."""
+        found = self.acceptance.get(key)
+        if found is None:
+            found = self.acceptance[key] = DecayedAcceptance(prior, weight, decay, slots)
+        return found
+
+    def ema(self, name: str) -> Ema:
+        return self.emas.setdefault(name, Ema())
+
+
+# -- offline measurement --------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def forward_times(model, prefix_ids: torch.LongTensor, sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one forward over n new tokens on top of a cached prefix (``prefix_ids``: [1, L]), per n.
+
+    The cache is rolled back to the prefix after every timed forward; repeats are interleaved over n so that
+    drift (other processes, clocks) spreads evenly over the sizes, and the first pass is a warm-up. CUDA work
+    is synchronised before each clock read.
+    """
+    from . import cache as kv  # the one place that touches caches
+
+    device = next(model.parameters()).device
+    prefix_ids = prefix_ids.to(device)
+    cache = kv.new_cache(model)
+    kv.forward(model, prefix_ids, cache)
+    base = prefix_ids.shape[1]
+    times: dict[int, list[float]] = {int(n): [] for n in sizes}
+    for repeat in range(repeats + 1):
+        for n in times:
+            ids = prefix_ids[:, -1:].repeat(1, n)
+            _sync(device)
+            start = time.perf_counter()
+            kv.forward(model, ids, cache, num_logits=n)
+            _sync(device)
+            if repeat:
+                times[n].append(time.perf_counter() - start)
+            kv.rollback(cache, base)
+    return {n: statistics.median(samples) for n, samples in times.items()}
