@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_specdec.models import compat
-from hf_specdec.models._testing import tiny_model_dir, tiny_tokenizer
+from hf_specdec.models.tiny import tiny_model_dir, word_tokenizer
 from hf_specdec.models.cli import main as cli_main
 
 FAST = ["--repeats", "1", "--max-k", "3", "--max-new-tokens", "6", "--dtype", "fp32"]
@@ -19,12 +19,12 @@ TOP_KEYS = {"schema", "compatible", "reason", "hardware", "target", "draft", "to
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("check")
-    size = len(tiny_tokenizer().get_vocab())
+    size = len(word_tokenizer().get_vocab())
     return {
         "target": tiny_model_dir(root / "target", seed=0, layers=2),
         "draft": tiny_model_dir(root / "draft", seed=1, layers=1),
         "padded": tiny_model_dir(root / "padded", seed=2, layers=1, vocab_size=size + 12),
-        "other": tiny_model_dir(root / "other", tokenizer=tiny_tokenizer(permute=True), seed=3, layers=1),
+        "other": tiny_model_dir(root / "other", tokenizer=word_tokenizer(permute=True), seed=3, layers=1),
     }
 
 
@@ -38,22 +38,22 @@ def _check(capsys, *argv):
 
 
 def test_compat_identical_padded_different():
-    a, b = tiny_tokenizer(), tiny_tokenizer()
+    a, b = word_tokenizer(), word_tokenizer()
     n = len(a.get_vocab())
     same = compat.tokenizer_compatibility(a, b, n, n)
     assert same["compatible"] and same["kind"] == "identical" and same["shared_vocab_size"] == n
     padded = compat.tokenizer_compatibility(a, b, n + 128, n)  # e.g. Qwen2.5 7B 152,064 vs 0.5B 151,936
     assert padded["compatible"] and padded["kind"] == "padded" and padded["shared_vocab_size"] == n
     assert "padding" in padded["notes"][0]
-    diff = compat.tokenizer_compatibility(a, tiny_tokenizer(permute=True), n, n)
+    diff = compat.tokenizer_compatibility(a, word_tokenizer(permute=True), n, n)
     assert not diff["compatible"] and diff["kind"] == "different" and "different ids" in diff["reason"]
     short = compat.tokenizer_compatibility(a, b, n, n - 1)
     assert not short["compatible"] and "embedding rows" in short["reason"]
 
 
 def test_qwen_like_padding_sizes():
-    a = tiny_tokenizer()
-    r = compat.tokenizer_compatibility(a, tiny_tokenizer(), 152_064, 151_936)
+    a = word_tokenizer()
+    r = compat.tokenizer_compatibility(a, word_tokenizer(), 152_064, 151_936)
     assert r["compatible"] and r["shared_vocab_size"] == 151_936
 
 

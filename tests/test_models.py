@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_specdec.models import bundles, hardware, loading
-from hf_specdec.models._testing import fake_bundle, tiny_model_dir
+from hf_specdec.models.tiny import fake_bundle, tiny_model_dir
 from hf_specdec.models.bundles import BundleError, assemble, gguf_path
 from hf_specdec.models.cli import main as cli_main
 
