@@ -1,0 +1,27 @@
+"""One harness for everything that runs and measures decoding modes: the eval harness, the demo, the bench
+presets and ``hf-specdec generate``.
+
+    from hf_specdec.harness import Harness, Settings
+    with Harness(target, tokenizer, draft, Settings(max_new_tokens=64)) as harness:
+        prompt = harness.encode("Write a function that reverses a list.", chat=True)
+        row = harness.generate_row("specdec_adaptive", prompt.input_ids, seed=0)
+        print(row["tokens_per_s"], row["mean_accepted_length"])
+
+- ``modes``: the mode registry (``MODES``, ``get_mode``, ``parse_modes``);
+- ``streaming``: ``RoundStreamer`` (first-token time, rounds, cancel), ``IncrementalText``;
+- ``encoding``: ``encode_prompt``, ``chat_text``;
+- ``machine``: ``machine_record``, carried by every report;
+- ``run``: ``Harness.generate_row`` (one timed call and its measurements), ``warm_up``, ``measure_costs``.
+"""
+
+from .encoding import EncodedPrompt, chat_text, encode_prompt
+from .machine import machine_record
+from .modes import DRAFT_MODES, MODES, Mode, get_mode, parse_modes
+from .run import ForwardCounter, Harness, Settings, device_of, measure_costs, warm_up
+from .streaming import GenerationCancelled, IncrementalText, RoundStreamer
+
+__all__ = [
+    "DRAFT_MODES", "EncodedPrompt", "ForwardCounter", "GenerationCancelled", "Harness", "IncrementalText", "MODES",
+    "Mode", "RoundStreamer", "Settings", "chat_text", "device_of", "encode_prompt", "get_mode", "machine_record",
+    "measure_costs", "parse_modes", "warm_up",
+]

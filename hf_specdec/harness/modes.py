@@ -1,0 +1,125 @@
+"""Decoding modes: every way the eval harness, the demo, the bench presets and ``hf-specdec generate`` decode.
+
+| mode | what runs |
+|---|---|
+| ``plain`` | transformers ``generate``, no speculation: the baseline |
+| ``hf_assisted`` | transformers assisted generation with the draft and transformers' defaults (20 tokens, "constant" schedule, confidence stop 0.4 with ROC re-tuning) |
+| ``hf_assisted_k3``, ``hf_assisted_k5`` | the same with a fixed k: the draft's generation_config gets ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and ``assistant_confidence_threshold=0`` (else the confidence stop makes k variable), restored afterwards (transformers ignores kwargs to ``generate`` for these) |
+| ``hf_prompt_lookup`` | transformers prompt lookup, ``prompt_lookup_num_tokens=10`` |
+| ``specdec_adaptive``, ``specdec_fixed``, ``specdec_heuristic`` | hf_specdec with the draft, ``SpecConfig(policy=..., num_draft_tokens=spec_k)`` |
+| ``lookahead`` | hf_specdec lookahead, no draft; cold: ``lookahead_memory=None`` (no call learns from another) |
+| ``lookahead_warm`` | hf_specdec lookahead with one ``LookaheadMemory`` shared by the calls of one harness (one run, one task family): each call reads the earlier ones' prompts, outputs and measurements |
+
+transformers' modes run the unmodified transformers ``generate``: ``type(model).generate(model, ...)`` skips
+the per-instance override that ``hf_specdec.enable`` installs. hf_specdec's modes ``enable`` the target first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from .. import SpecConfig, enable
+
+if TYPE_CHECKING:
+    from .run import Harness, Settings
+
+ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One decoding mode: ``call(harness, settings, kwargs)`` runs it with the common ``generate`` kwargs."""
+
+    name: str
+    title: str
+    needs_draft: bool
+    hf_specdec: bool  # decoded by hf_specdec: its SpecStats land in ``model.last_spec_stats``
+    call: Callable[["Harness", "Settings", dict[str, Any]], Any]
+
+
+def _transformers(**extra) -> Callable:
+    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+        return type(h.target).generate(h.target, **kwargs, **extra)
+
+    return call
+
+
+@contextlib.contextmanager
+def _assistant_tokens(draft, k: int | None) -> Iterator[None]:
+    """Fix transformers' draft length at ``k`` on the draft's generation_config (None: its defaults), restore it."""
+    config = draft.generation_config
+    saved = {key: getattr(config, key, None) for key in ASSISTANT_KEYS}
+    try:
+        if k is not None:
+            config.num_assistant_tokens = k
+            config.num_assistant_tokens_schedule = "constant"
+            config.assistant_confidence_threshold = 0.0
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def _assisted(k: int | None) -> Callable:
+    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+        with _assistant_tokens(h.draft, k):
+            return type(h.target).generate(h.target, **kwargs, assistant_model=h.draft)
+
+    return call
+
+
+def _specdec(policy: str) -> Callable:
+    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+        k = settings.spec_k
+        config = SpecConfig(policy=policy, num_draft_tokens=k, max_draft_tokens=max(SpecConfig.max_draft_tokens, k))
+        return enable(h.target).generate(**kwargs, assistant_model=h.draft, spec_config=config)
+
+    return call
+
+
+def _lookahead(warm: bool) -> Callable:
+    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+        return enable(h.target).generate(**kwargs, decoding="lookahead", lookahead_config=settings.lookahead,
+                                         lookahead_memory=h.memory if warm else None)
+
+    return call
+
+
+MODES = MappingProxyType({mode.name: mode for mode in (
+    Mode("plain", "Plain (transformers)", False, False, _transformers()),
+    Mode("hf_assisted", "Transformers assisted", True, False, _assisted(None)),
+    Mode("hf_assisted_k3", "Transformers assisted, k=3", True, False, _assisted(3)),
+    Mode("hf_assisted_k5", "Transformers assisted, k=5", True, False, _assisted(5)),
+    Mode("hf_prompt_lookup", "Transformers prompt lookup", False, False, _transformers(prompt_lookup_num_tokens=10)),
+    Mode("specdec_adaptive", "hf_specdec (adaptive)", True, True, _specdec("adaptive")),
+    Mode("specdec_fixed", "hf_specdec (fixed)", True, True, _specdec("fixed")),
+    Mode("specdec_heuristic", "hf_specdec (heuristic)", True, True, _specdec("heuristic")),
+    Mode("lookahead", "Lookahead (hf_specdec)", False, True, _lookahead(warm=False)),
+    Mode("lookahead_warm", "Lookahead with memory (hf_specdec)", False, True, _lookahead(warm=True)),
+)})
+DRAFT_MODES = tuple(name for name, mode in MODES.items() if mode.needs_draft)
+
+
+def get_mode(name: str) -> Mode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown mode {name!r}; known: {list(MODES)}") from None
+
+
+def parse_modes(text: str, baseline: str | None = "plain") -> list[str]:
+    """Comma-separated mode names, checked; ``baseline`` is put first when missing (speedups and parity are
+    measured against it)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; known: {list(MODES)}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"duplicate modes in {text!r}")
+    if baseline is not None and baseline not in modes:
+        modes.insert(0, baseline)
+    return modes

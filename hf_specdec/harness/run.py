@@ -1,0 +1,250 @@
+"""One timed generation of one mode on one prompt, and the offline cost probe: what every caller measures with.
+
+``Harness(target, tokenizer, draft, settings).generate_row(mode, input_ids, seed)`` returns the measurements
+of one call (a row of the eval harness, the numbers of a demo pane, the summary of ``hf-specdec generate``):
+
+- ``new_tokens``, ``output_ids``, ``text``: what ``generate`` returned past the prompt;
+- ``e2e_s``: seconds of the call (CUDA synchronised; Python's garbage collector runs before, outside it);
+- ``ttft_s``: seconds to the first streamed new token; ``tpot_s`` = (e2e - ttft) / (tokens - 1);
+- ``tokens_per_s`` = new tokens / e2e;
+- ``target_forwards`` (a forward pre-hook on the target), ``draft_forwards`` (on the draft, modes that use it);
+- ``mean_accepted_length``: tokens per target forward, prefill included (``SpecStats`` for hf_specdec modes,
+  new tokens / target forwards otherwise: the same definition; plain has 1.0);
+- ``spec``: ``SpecStats.to_dict()`` for hf_specdec modes, else None; ``round_log`` when hf_specdec reported
+  its rounds; ``streamed_tokens``; ``peak_mem_bytes`` and ``mem_kind`` (CUDA max allocated, or the process's
+  peak RSS reset before the call).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import LookaheadConfig, LookaheadMemory
+from ..costmodel import forward_times
+from .encoding import EncodedPrompt, encode_prompt
+from .modes import get_mode
+from .streaming import RoundStreamer
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How every mode decodes: the same for all modes of one comparison."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy; > 0: plain sampling (no top-k/top-p) for every mode
+    spec_k: int = 4  # k of specdec_fixed, the starting k of specdec_heuristic and specdec_adaptive
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+
+
+def device_of(model) -> torch.device:
+    try:
+        return model.device
+    except AttributeError:
+        return next(model.parameters()).device
+
+
+class ForwardCounter:
+    """Counts a module's forward calls (a forward pre-hook) until ``close()``."""
+
+    def __init__(self, module):
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _rss_reset() -> bool:
+    try:  # Linux: writing 5 resets the peak RSS (VmHWM) of this process
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmHWM:")), None)
+
+
+class Harness:
+    """The models of one comparison, and what its calls share: forward counters and, for ``lookahead_warm``,
+    one ``LookaheadMemory`` (fresh per harness; ``new_memory()`` starts another task family).
+
+    Close it (or use it as a context manager) to remove the forward hooks.
+    """
+
+    def __init__(self, target, tokenizer, draft=None, settings: Settings | None = None):
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.settings = settings or Settings()
+        self.device = device_of(target)
+        self.cuda = self.device.type == "cuda"
+        self.memory = LookaheadMemory()
+        self._target_forwards = ForwardCounter(target)
+        self._draft_forwards = ForwardCounter(draft) if draft is not None else None
+
+    def __enter__(self) -> "Harness":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._target_forwards.close()
+        if self._draft_forwards is not None:
+            self._draft_forwards.close()
+
+    def new_memory(self) -> None:
+        self.memory = LookaheadMemory()
+
+    @property
+    def draft_forwards(self) -> int:
+        """Draft forwards of the call running now (or of the last one): a live count for a UI."""
+        return self._draft_forwards.count if self._draft_forwards is not None else 0
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def encode(self, text: str, **kwargs) -> EncodedPrompt:
+        """:func:`~hf_specdec.harness.encoding.encode_prompt` with this harness's tokenizer and device."""
+        return encode_prompt(self.tokenizer, text, device=self.device, **kwargs)
+
+    def generate_kwargs(self, input_ids: torch.LongTensor, streamer, settings: Settings,
+                        max_new_tokens: int) -> dict[str, Any]:
+        """The ``generate`` arguments every mode shares (input_ids: [1, L])."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                      max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=pad)
+        if settings.temperature > 0:
+            # the same plain distribution for every mode: no top-k/top-p from generation_config
+            kwargs.update(do_sample=True, temperature=settings.temperature, top_k=0, top_p=1.0)
+        else:
+            kwargs.update(do_sample=False)
+        return kwargs
+
+    def generate_row(self, mode: str, input_ids: torch.LongTensor, seed: int = 0, max_new_tokens: int | None = None,
+                     *, settings: Settings | None = None, streamer: RoundStreamer | None = None) -> dict[str, Any]:
+        """Run ``mode`` once on ``input_ids`` ([1, L], on this harness's device) and measure it (module docstring).
+
+        ``settings`` default to the harness's; ``streamer`` (default: a fresh one) lets a caller watch the
+        rounds or cancel the call. Raises what the call raises (``ValueError`` for a mode that needs a draft
+        when there is none).
+        """
+        spec = get_mode(mode)
+        if spec.needs_draft and self.draft is None:
+            raise ValueError(f"mode {mode} needs a draft model")
+        settings = settings or self.settings
+        streamer = streamer or RoundStreamer(sync=self.sync)
+        kwargs = self.generate_kwargs(input_ids, streamer, settings, max_new_tokens or settings.max_new_tokens)
+        saved = [(m, copy.deepcopy(m.generation_config)) for m in (self.target, self.draft) if m is not None]
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        rss_ok = not self.cuda and _rss_reset()
+        torch.manual_seed(seed)
+        if self.cuda:
+            torch.cuda.manual_seed_all(seed)
+        self._target_forwards.count = 0
+        if self._draft_forwards is not None:
+            self._draft_forwards.count = 0
+        if spec.hf_specdec:
+            self.target.last_spec_stats = None  # a failed call never shows the previous call's stats
+        gc.collect()  # no collection of earlier garbage inside the timed window
+        try:
+            self.sync()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = spec.call(self, settings, kwargs)
+            self.sync()
+            end = time.perf_counter()
+        finally:
+            for model, generation_config in saved:
+                model.generation_config = generation_config
+        return self._row(spec, input_ids, out, start, end, streamer, rss_ok)
+
+    def _row(self, spec, input_ids, out, start: float, end: float, streamer: RoundStreamer, rss_ok: bool) -> dict:
+        forwards = self._target_forwards.count
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        new_ids = sequences[0, input_ids.shape[1]:].tolist()
+        n = len(new_ids)
+        e2e = end - start
+        ttft = (streamer.t_first - start) if streamer.t_first is not None else None
+        row: dict[str, Any] = {
+            "prompt_tokens": int(input_ids.shape[1]),
+            "new_tokens": n,
+            "output_ids": new_ids,
+            "text": self.tokenizer.decode(new_ids, skip_special_tokens=True),
+            "e2e_s": e2e,
+            "ttft_s": ttft,
+            "tpot_s": (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None,
+            "tokens_per_s": n / e2e if e2e > 0 else None,
+            "target_forwards": forwards,
+            "streamed_tokens": streamer.streamed_tokens,
+        }
+        if spec.needs_draft:
+            row["draft_forwards"] = self.draft_forwards
+        if self.cuda:
+            row.update(peak_mem_bytes=int(torch.cuda.max_memory_allocated(self.device)), mem_kind="cuda_max_allocated")
+        else:
+            row.update(peak_mem_bytes=_rss_peak(), mem_kind="rss_peak" if rss_ok else "rss_peak_process")
+        stats = getattr(self.target, "last_spec_stats", None) if spec.hf_specdec else None
+        if stats is not None:
+            row["spec"] = stats.to_dict()
+            rounds = row["spec"].get("rounds")
+            row["mean_accepted_length"] = row["spec"].get("mean_accepted_length") or (n / rounds if rounds else None)
+        else:
+            row["spec"] = None
+            # tokens per target forward (prefill included), the same definition as SpecStats.mean_accepted_length
+            row["mean_accepted_length"] = n / forwards if forwards else None
+        if streamer.round_log:
+            row["round_log"] = streamer.round_log
+        return row
+
+
+def warm_up(run_once: Callable[[str], object], modes: Iterable[str], rounds: int = 1) -> dict[str, str]:
+    """Untimed calls ``run_once(mode)`` of every mode (kernels, allocator, lazy imports, caches), so that the
+    first timed call of a mode pays no one-off costs the others skip. Returns ``{mode: error}`` for the modes
+    that failed (they are not tried again); the timed calls then report their errors themselves."""
+    failed: dict[str, str] = {}
+    for _ in range(rounds):
+        for mode in modes:
+            if mode in failed:
+                continue
+            try:
+                run_once(mode)
+            except Exception as err:  # noqa: BLE001 - returned to the caller, who shows it
+                failed[mode] = f"{type(err).__name__}: {err}"
+    return failed
+
+
+def measure_costs(target, draft, prefix_ids: torch.LongTensor, sizes: Sequence[int], repeats: int = 5) -> dict:
+    """Forward costs measured offline by :func:`hf_specdec.costmodel.forward_times` (median of ``repeats``).
+
+    ``prefix_ids``: [1, L], the cached context. ``t_s[n]``: seconds of one target forward over n new tokens;
+    ``t_step_s`` = t(1); ``v[n]`` = t(n) / t(1); with a draft, ``t_draft_s`` (one draft forward over 1 new
+    token) and ``c`` = t_draft / t_step. Keys of ``t_s`` and ``v`` are strings (JSON).
+    """
+    sizes = sorted({1, *(int(n) for n in sizes)})
+    times = forward_times(target, prefix_ids, sizes, repeats)
+    t_step = times[1]
+    result: dict[str, Any] = {"repeats": repeats, "context_tokens": int(prefix_ids.shape[1]), "t_step_s": t_step,
+                              "t_s": {str(n): times[n] for n in sizes}, "v": {str(n): times[n] / t_step for n in sizes}}
+    if draft is not None:
+        t_draft = forward_times(draft, prefix_ids, [1], repeats)[1]
+        result.update(t_draft_s=t_draft, c=t_draft / t_step)
+    return result
