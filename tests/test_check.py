@@ -6,6 +6,7 @@ import shlex
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from hf_specdec.models import compat
 from hf_specdec.models.tiny import tiny_model_dir, word_tokenizer
@@ -89,12 +90,41 @@ def test_acceptance_of_a_model_with_itself_is_one(dirs):
     assert acc["per_position"] == [1.0, 1.0, 1.0] and acc["expected_tokens_measured"]["3"] == 4.0
 
 
-def test_forward_times_restore_cache(dirs):
+def test_measured_costs_come_from_the_one_probe(dirs, monkeypatch):
+    """check's c and v(k) are hf_specdec.costmodel.forward_times medians, re-keyed: v(k) is the time over k + 1
+    new tokens over the time over 1."""
     from transformers import AutoModelForCausalLM
 
+    from hf_specdec.harness import run as harness_run
+
     model = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
-    times = compat.forward_times(model, torch.arange(4, 20)[None], [1, 2, 3], repeats=2)
-    assert set(times) == {1, 2, 3} and all(t > 0 for t in times.values())
+    tok = AutoTokenizer.from_pretrained(dirs["target"])
+    fake = {1: 0.010, 2: 0.011, 3: 0.013, 4: 0.020}
+    calls = []
+
+    def forward_times(m, prefix_ids, sizes, repeats=5):
+        calls.append((m, tuple(prefix_ids.shape), list(sizes), repeats))
+        return {n: fake[n] if m is model else 0.002 for n in sizes}
+
+    monkeypatch.setattr(harness_run, "forward_times", forward_times)
+    draft = AutoModelForCausalLM.from_pretrained(dirs["draft"]).eval()
+    cost = compat.measure_costs(model, draft, tok, shared_vocab=model.config.vocab_size, max_k=3, repeats=2,
+                                prefix_tokens=16)
+    assert calls == [(model, (1, 16), [1, 2, 3, 4], 2), (draft, (1, 16), [1], 2)]
+    assert cost["verify_cost"] == pytest.approx({"0": 1.0, "1": 1.1, "2": 1.3, "3": 2.0})
+    assert cost["c"] == pytest.approx(0.2) and cost["t_step_ms"] == pytest.approx(10.0)
+    assert cost["t_verify_ms"]["3"] == pytest.approx(20.0)
+
+
+def test_forward_times_leave_the_prefix_cached(dirs):
+    from transformers import AutoModelForCausalLM
+
+    from hf_specdec.harness import measure_costs
+
+    model = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
+    costs = measure_costs(model, None, torch.arange(4, 20)[None], [2, 3], repeats=2)
+    assert set(costs["v"]) == {"1", "2", "3"} and costs["v"]["1"] == 1.0 and costs["t_step_s"] > 0
+    assert costs["context_tokens"] == 16 and "c" not in costs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,9 +164,30 @@ def test_check_compatible_json(dirs, capsys):
     assert {"k", "expected_tokens", "expected_tokens_measured", "round_cost", "speedup", "speedup_measured"} \
         <= set(report["prediction"][1])
     rec = report["recommendation"]
-    assert rec["mode"] in ("speculative", "lookahead", "plain") and {"policy", "k", "why"} <= set(rec)
+    assert rec == compat.recommend(cost, report["prediction"]) and {"mode", "policy", "k", "why"} <= set(rec)
     spec = json.loads(shlex.split(report["vllm"]["command"])[4])
     assert spec["method"] == "draft_model" and spec["model"] == str(dirs["draft"])
+    assert report["hardware"]["dtype"] == "float32" and {"cpu_model", "cpu_flags", "torch_threads"} <= set(
+        report["hardware"])
+
+
+@pytest.mark.parametrize("draft,c,v_step,mode", [
+    ("target", 0.05, 0.02, "speculative"),  # the draft is the target (alpha = 1) and cheap: speculate
+    ("draft", 2.0, 0.01, "lookahead"),      # a draft dearer than the target, verifying nearly free: lookahead
+    ("draft", 2.0, 0.5, "plain"),           # a dear draft and dear verification: plain decoding
+])
+def test_check_recommends_what_the_costs_imply(dirs, capsys, monkeypatch, draft, c, v_step, mode):
+    """Costs fed in (not this CPU's): the recommendation follows them."""
+    def measure_costs(target, draft_model, tokenizer, *, shared_vocab, max_k, repeats, prefix_tokens=100):
+        v = {str(k): 1.0 + v_step * k for k in range(max_k + 1)}
+        return {"t_step_ms": 10.0, "t_draft_ms": 10.0 * c, "c": c, "verify_cost": v,
+                "t_verify_ms": {k: 10.0 * x for k, x in v.items()}, "prefix_tokens": prefix_tokens, "repeats": repeats}
+
+    monkeypatch.setattr(compat, "measure_costs", measure_costs)
+    code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs[draft]), "--json", *FAST)
+    assert code == 0, out.err
+    report = json.loads(out.out)
+    assert report["cost"]["c"] == c and report["recommendation"]["mode"] == mode, report["recommendation"]
 
 
 def test_check_padded_vocab_is_compatible(dirs, capsys, tmp_path):

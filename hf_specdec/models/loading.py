@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -32,6 +32,29 @@ class ResolvedRef:
     path: str
     gguf_file: str | None = None
     bundle: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """How a model was loaded: the reference asked for, its kind ("bundle", "gguf", "pretrained"), the path
+    ``from_pretrained`` read, the resolved dtype name, the quantization (None, "4bit", "8bit"), the device and
+    the seconds the weights took to load."""
+
+    ref: str
+    kind: str
+    path: str
+    dtype: str
+    quantize: str | None
+    device: str
+    load_time_s: float
+
+
+class LoadedModel(NamedTuple):
+    """What :func:`load_model` returns: ``model, tokenizer, info = load_model(ref)``."""
+
+    model: Any
+    tokenizer: Any
+    info: LoadInfo
 
 
 def reference_kind(ref: str) -> str:
@@ -84,8 +107,8 @@ def _from_pretrained(path: str, **kwargs):
 
 def load_model(ref: str, *, dtype: str | torch.dtype = "auto", quantize: str | None = None,
                device: str = "cpu", cache_dir=None, progress: bool = True,
-               wheel_dirs: Sequence[str | os.PathLike] = ()):
-    """Load ``(model, tokenizer)`` for a reference; the model is in eval mode on ``device``.
+               wheel_dirs: Sequence[str | os.PathLike] = ()) -> LoadedModel:
+    """Load a reference: ``LoadedModel(model, tokenizer, info)``, the model in eval mode on ``device``.
 
     ``dtype``: "auto" (see :func:`resolve_dtype`), "bf16", "fp16", "fp32" or a torch.dtype; it is the compute
     dtype of a quantized model. ``quantize``: None, "4bit" (bitsandbytes NF4) or "8bit", on CPU and CUDA; meant
@@ -112,10 +135,8 @@ def load_model(ref: str, *, dtype: str | torch.dtype = "auto", quantize: str | N
         model = _from_pretrained(resolved.path, **kwargs)
         if qconfig is None and device != "cpu":
             model = model.to(device)
+    load_time = time.perf_counter() - t0
     model.eval()
-    tokenizer = load_tokenizer(resolved)
-    model.hf_specdec_load_info = {
-        "ref": ref, "kind": resolved.kind, "path": resolved.path, "dtype": str(torch_dtype).removeprefix("torch."),
-        "quantize": quantize, "device": device, "load_time_s": time.perf_counter() - t0,
-    }
-    return model, tokenizer
+    info = LoadInfo(ref=ref, kind=resolved.kind, path=resolved.path, dtype=str(torch_dtype).removeprefix("torch."),
+                    quantize=quantize, device=device, load_time_s=load_time)
+    return LoadedModel(model, load_tokenizer(resolved), info)
