@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -53,29 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(ref: str, dtype: str, quantize: str | None, device: str):
-    """Load via hf_specdec.models (any reference kind); plain transformers for a hub id / local dir if that
-    package cannot be imported (then no bundles, gguf or quantization)."""
-    quantize = None if quantize in (None, "none") else quantize
-    try:
-        from hf_specdec.models import load_model
-    except ImportError as err:
-        if quantize or ref.startswith("bundle:") or ref.endswith(".gguf"):
-            raise
-        print(f"warning: hf_specdec.models unavailable ({err}); loading {ref} with transformers", file=sys.stderr)
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        dt = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype, dtype)
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=dt).eval()
-        if device not in ("auto", "cpu"):
-            model = model.to(device)
-        elif device == "auto" and torch.cuda.is_available():
-            model = model.to("cuda")
-        return model, AutoTokenizer.from_pretrained(ref)
-    return load_model(ref, dtype=dtype, quantize=quantize, device=device)
-
-
 def neutral_generation_config(model, temperature: float) -> None:
     """Make every mode decode the plain distribution: no repetition penalty / top-k / top-p from the model's
     shipped generation_config (Qwen2.5-Coder ships repetition_penalty=1.1, top_k=20, top_p=0.8)."""
@@ -105,9 +83,13 @@ def _config(args, modes: list[str], seeds: list[int]) -> dict[str, Any]:
 def cmd_run(args) -> int:
     import torch
 
+    from hf_specdec import LookaheadConfig
+    from hf_specdec.harness import DRAFT_MODES, Harness, Settings, machine_record, parse_modes
+    from hf_specdec.models import load_model
+
     from . import report, runner
+    from .analysis import analyze
     from .metrics import tie_threshold
-    from .modes import DRAFT_MODES, Generator, Settings, machine_info, parse_modes
     from .tasks import load_task
 
     modes = parse_modes(args.modes)
@@ -127,10 +109,11 @@ def cmd_run(args) -> int:
             print(f"error: {out} holds a run with different settings {diff}; use another --out", file=sys.stderr)
             return 2
 
-    target, tokenizer = load(args.target, args.dtype, None, args.device)
-    draft = None
+    target, tokenizer, target_info = load_model(args.target, dtype=args.dtype, device=args.device)
+    draft = draft_info = None
     if args.draft:
-        draft, draft_tok = load(args.draft, args.dtype, args.draft_quant, args.device)
+        quantize = None if args.draft_quant in (None, "none") else args.draft_quant
+        draft, draft_tok, draft_info = load_model(args.draft, dtype=args.dtype, quantize=quantize, device=args.device)
         if len(draft_tok) != len(tokenizer) or draft_tok.get_vocab() != tokenizer.get_vocab():
             print("warning: draft and target tokenizers differ; assisted modes may fall back or fail", file=sys.stderr)
     for model in (target, draft):
@@ -139,9 +122,9 @@ def cmd_run(args) -> int:
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     config.update(
         dtype_resolved=dtype,
-        load_info={"target": getattr(target, "hf_specdec_load_info", None),
-                   "draft": getattr(draft, "hf_specdec_load_info", None)},
-        machine=machine_info(),
+        load_info={"target": dataclasses.asdict(target_info),
+                   "draft": dataclasses.asdict(draft_info) if draft_info is not None else None},
+        machine=machine_record(target_info.device, dtype),
         chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
     config["modes"] = [m for m in dict.fromkeys((old.get("modes") or []) + modes)]
@@ -149,72 +132,19 @@ def cmd_run(args) -> int:
 
     samples = load_task(args.task, tokenizer, args.limit)
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, spec_k=args.spec_k,
-                        lookahead=json.loads(args.lookahead) if args.lookahead else None)
-    gen = Generator(target, tokenizer, draft, settings)
-    rows = runner.run(
-        lambda mode, sample, seed, n: gen.generate(mode, sample.text, seed, n, chat=sample.style == "chat"),
-        samples, modes, out, repeats=args.repeats, seeds=seeds, warmup_rounds=args.warmup,
-        progress=not args.no_progress,
-    )
-    gen.close()
+                        lookahead=LookaheadConfig.from_dict(json.loads(args.lookahead) if args.lookahead else {}))
+    with Harness(target, tokenizer, draft, settings) as harness:  # one run, one task: one lookahead_warm memory
+        prompts = {s.id: harness.encode(s.text, add_special_tokens=s.style != "chat").input_ids for s in samples}
+        rows = runner.run(lambda mode, sample, seed, n: harness.generate_row(mode, prompts[sample.id], seed, n),
+                          samples, modes, out, repeats=args.repeats, seeds=seeds, warmup_rounds=args.warmup,
+                          progress=not args.no_progress)
     if not args.no_analysis:
-        analyze(out, rows, samples, target, draft, tokenizer, gen,
+        analyze(out, rows, {sid: ids[0].tolist() for sid, ids in prompts.items()}, target, draft,
                 args.tie_threshold if args.tie_threshold is not None else tie_threshold(dtype), dtype,
-                args.temperature, args.max_new_tokens, progress=not args.no_progress)
+                args.temperature, progress=not args.no_progress)
     summary = report.build(out, progress=not args.no_progress, limits=_limits(args.exec_timeout))
     print_summary(summary, out)
     return 0
-
-
-def analyze(out: Path, rows, samples, target, draft, tokenizer, gen, threshold, dtype, temperature,
-            max_new_tokens, progress=True) -> None:
-    """Model-side analysis, cached in OUT/analysis.json: target margins over plain greedy output, teacher-forced
-    draft agreement (oracle), harness-measured costs c and v(n), and (sampling) per-row draft agreement."""
-    from .modes import measure_costs, teacher_forced
-    from .report import _load_json
-
-    path = out / "analysis.json"
-    analysis = _load_json(path)
-    analysis.update(dtype=dtype, tie_threshold=threshold)
-    margins = analysis.setdefault("margins", {})
-    agreement = analysis.setdefault("draft_agreement", {})
-    target_match = analysis.setdefault("target_argmax_matches_plain", {})
-    sample_agreement = analysis.setdefault("sample_agreement", {})
-    prompt_ids = {s.id: gen.encode(s.text, s.style == "chat")[0].tolist() for s in samples}
-    first: dict[tuple, dict] = {}
-    for r in rows:
-        if r.get("error") or str(r["prompt_id"]) not in prompt_ids:
-            continue
-        key = (r["mode"], str(r["prompt_id"]), int(r["seed"]))
-        if key not in first or r["repeat"] < first[key]["repeat"]:
-            first[key] = r
-    todo = [(k, r) for k, r in first.items() if k[0] == "plain" or (temperature > 0 and draft is not None)]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo), desc="analysis", unit="seq")
-    for (mode, pid, seed), r in todo:
-        pkey = f"{pid}|{seed}"
-        ids = prompt_ids[pid]
-        if mode == "plain" and temperature == 0 and pkey not in margins:
-            tf = teacher_forced(target, ids, r["output_ids"])
-            margins[pkey] = [round(m, 4) for m in tf["margin"]]
-            target_match[pkey] = sum(a == b for a, b in zip(tf["argmax"], r["output_ids"])) / max(1, len(tf["argmax"]))
-            if draft is not None:
-                dtf = teacher_forced(draft, ids, r["output_ids"])
-                agreement[pkey] = [a == b for a, b in zip(dtf["argmax"], r["output_ids"])]
-        if temperature > 0 and draft is not None and f"{mode}|{pkey}" not in sample_agreement:
-            dtf = teacher_forced(draft, ids, r["output_ids"])
-            n = max(1, len(r["output_ids"]))
-            sample_agreement[f"{mode}|{pkey}"] = sum(a == b for a, b in zip(dtf["argmax"], r["output_ids"])) / n
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if "costs" not in analysis and samples:
-        analysis["costs"] = measure_costs(target, draft, prompt_ids[samples[0].id], max_n=16, sync=gen.sync)
-    path.write_text(json.dumps(analysis))
 
 
 def print_summary(summary: dict, out: Path) -> None:

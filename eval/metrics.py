@@ -22,6 +22,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping
 
+from hf_specdec.costmodel import ForwardCost
+
 # --- small helpers -------------------------------------------------------------------------------------------
 
 
@@ -64,6 +66,8 @@ def dedupe(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(best.values())
 
 
+PROMPT_LOOKUP = "hf_prompt_lookup"
+
 # --- speed ---------------------------------------------------------------------------------------------------
 
 
@@ -91,7 +95,8 @@ def per_prompt(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[st
 
 
 def speed_table(rows: list[dict[str, Any]], modes: list[str], baseline: str = "plain") -> dict[str, dict[str, Any]]:
-    """Per mode: throughput (total tokens / total time; min and median over repeats), latency, memory, speedups."""
+    """Per mode: throughput (total tokens / total time; min and median over repeats), latency, memory, speedups
+    over ``baseline`` (aggregate and per prompt) and, when it ran, over transformers' prompt lookup."""
     pp = per_prompt(rows)
     table: dict[str, dict[str, Any]] = {}
     for mode in modes:
@@ -134,6 +139,11 @@ def speed_table(rows: list[dict[str, Any]], modes: list[str], baseline: str = "p
                 ratios.append((b["e2e_median"] / b["tokens"]) / (v["e2e_median"] / v["tokens"]))
         entry["per_prompt_speedup"] = distribution(ratios)
         entry["per_prompt_speedups"] = ratios
+    lookup = table.get(PROMPT_LOOKUP, {})
+    if lookup.get("n_prompts"):  # the draft-free reference lookahead is measured against
+        for entry in table.values():
+            if entry.get("n_prompts"):
+                entry["speedup_vs_prompt_lookup"] = entry["tokens_per_s_median"] / lookup["tokens_per_s_median"]
     return table
 
 
@@ -204,28 +214,15 @@ def spec_table(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[s
     return table
 
 
-def _interp_v(v: Mapping[int, float] | Callable[[int], float]) -> Callable[[int], float]:
-    """v(n) from measured points: v(1) = 1 by definition, linear in between, linear extrapolation past the last."""
+def verify_cost_curve(v: Mapping[int, float] | Callable[[int], float]) -> Callable[[int], float]:
+    """v(n) from measured points through the core's one cost curve (``ForwardCost``): v(1) = 1 by definition,
+    sizes n >= 2 made monotone, linear in between, the slope of the two largest points continued past them."""
     if callable(v):
         return v
     table = {int(k): float(x) for k, x in v.items()}
     table.setdefault(1, 1.0)
-    pts = sorted(table.items())
-
-    def f(n: int) -> float:
-        if n in table:
-            return table[n]
-        if n < pts[0][0]:
-            return pts[0][1]
-        for (n0, v0), (n1, v1) in zip(pts, pts[1:]):
-            if n0 <= n <= n1:
-                return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
-        if len(pts) >= 2:
-            (n0, v0), (n1, v1) = pts[-2], pts[-1]
-            return v1 + (v1 - v0) / (n1 - n0) * (n - n1)
-        return pts[-1][1]
-
-    return f
+    curve = ForwardCost.from_table(table)
+    return lambda n: curve.estimate(n, extrapolate=True)
 
 
 def oracle_bound(agreement: list[bool], c: float, v: Mapping[int, float] | Callable[[int], float]) -> dict[str, Any]:
@@ -238,7 +235,7 @@ def oracle_bound(agreement: list[bool], c: float, v: Mapping[int, float] | Calla
     costs ``r * c + v(r)``. Plain decoding costs 1 per token, so speedup = tokens / sum of round costs.
     (r = 0 is a plain step: v(1) = 1.)
     """
-    vf = _interp_v(v)
+    vf = verify_cost_curve(v)
     n = len(agreement)
     i, cost, rounds = 0, 0.0, 0
     runs = []

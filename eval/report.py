@@ -131,7 +131,8 @@ def quality(rows: list[dict], modes: list[str], exec_results: dict, analysis: di
                 d["prompt_id"] = pid
                 divs.append(d)
             entry["compared"] = len(divs)
-            entry["exact_rate"] = sum(d["exact"] for d in divs) / len(divs) if divs else None
+            entry["exact_count"] = sum(d["exact"] for d in divs)
+            entry["exact_rate"] = entry["exact_count"] / len(divs) if divs else None
             entry["divergences"] = [d for d in divs if not d["exact"]]
             entry["numerical_divergences"] = sum(bool(d["numerical"]) for d in entry["divergences"])
         if not greedy and mode != "plain":
@@ -244,9 +245,11 @@ def markdown(summary: dict, modes: list[str], plots: list[str]) -> str:
         f"max_new_tokens {st.get('max_new_tokens')}, temperature {st.get('temperature')}, repeats "
         f"{st.get('repeats')}, seeds {st.get('seeds')}, warm-up {st.get('warmup')}."
     )
+    flags = machine.get("cpu_flags")
     parts.append(
         f"Machine: {machine.get('cpu_model', '?')} ({machine.get('cpu_count')} cores, torch threads "
-        f"{machine.get('torch_threads')}){', GPU ' + machine['gpu'] if machine.get('gpu') else ''}; torch "
+        f"{machine.get('torch_threads')}{', ' + ' '.join(flags) if flags else ''})"
+        f"{', GPU ' + machine['gpu'] if machine.get('gpu') else ''}; torch "
         f"{machine.get('torch')}, transformers {machine.get('transformers')}, hf_specdec {machine.get('hf_specdec')}."
     )
     parts.append(
@@ -254,23 +257,26 @@ def markdown(summary: dict, modes: list[str], plots: list[str]) -> str:
         "tokenizer, max_new_tokens, dtype and seed for every mode. Throughput = total tokens / total time."
     )
     parts += ["", "## Speed", ""]
+    with_lookup = any(speed.get(m, {}).get("speedup_vs_prompt_lookup") for m in modes)
     rows = []
     for m in modes:
         e = speed.get(m, {})
         if not e.get("n_prompts"):
-            rows.append([m, "no rows"] + [""] * 8)
+            rows.append([m, "no rows"] + [""] * (9 + with_lookup))
             continue
         pp = e.get("per_prompt_speedup") or {}
         rows.append([
             m, _f(e["tokens_per_s_median"]), _f(e["tokens_per_s_min_time"]), _f(e.get("speedup"), "{:.2f}x"),
+            *([_f(e.get("speedup_vs_prompt_lookup"), "{:.2f}x")] if with_lookup else []),
             f"{_f(pp.get('median'), '{:.2f}x')} [{_f(pp.get('p10'))}, {_f(pp.get('p90'))}]",
-            _f(pp.get("share_above_1"), "{:.0%}"), _f(e.get("ttft_median_s"), "{:.3f}"),
+            _f(pp.get("min"), "{:.2f}x"), _f(pp.get("share_above_1"), "{:.0%}"), _f(e.get("ttft_median_s"), "{:.3f}"),
             _f(e.get("tpot_median_s") and e["tpot_median_s"] * 1000, "{:.1f}"), _f(e.get("e2e_median_s"), "{:.2f}"),
             _mem(e.get("peak_mem_bytes")),
         ])
     parts.append(_table(
-        ["mode", "tok/s (median)", "tok/s (best rep)", "speedup", "per-prompt speedup median [p10, p90]",
-         "prompts faster", "TTFT s", "TPOT ms", "e2e s", "peak mem"], rows))
+        ["mode", "tok/s (median)", "tok/s (best rep)", "speedup", *(["vs prompt lookup"] if with_lookup else []),
+         "per-prompt speedup median [p10, p90]", "per-prompt min", "prompts faster", "TTFT s", "TPOT ms", "e2e s",
+         "peak mem"], rows))
     spreads = {m: speed[m].get("repeat_spread_median") for m in modes if speed.get(m, {}).get("n_prompts")}
     if any(v is not None for v in spreads.values()):
         parts.append("\nTiming noise: median over prompts of (max - min) / median end-to-end time across repeats: "
@@ -324,7 +330,8 @@ def markdown(summary: dict, modes: list[str], plots: list[str]) -> str:
         if qual["greedy"]:
             divs = e.get("divergences") or []
             row += [
-                "baseline" if m == "plain" else _f(e.get("exact_rate"), "{:.0%}"),
+                "baseline" if m == "plain" else
+                f"{_f(e.get('exact_rate'), '{:.0%}')} ({e.get('exact_count', 0)}/{e.get('compared', 0)})",
                 "" if m == "plain" else f"{len(divs)} ({e.get('numerical_divergences', 0)} near-tie)",
                 ", ".join(f"{d['prompt_id']}@{d['first_divergence']} (margin {_f(d['margin'])})" for d in divs[:4]),
             ]

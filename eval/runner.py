@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hf_specdec.harness import warm_up
+
 ROWS = "rows.jsonl"
 
 
@@ -46,19 +48,13 @@ def read_rows(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def warmup(generate: Callable[..., dict], samples: list, modes: list[str], rounds: int, max_new_tokens: int) -> None:
-    """Untimed calls of every mode on the first prompt (kernels, allocator, lazy imports, caches)."""
+    """Untimed calls of every mode on the first prompt (``hf_specdec.harness.warm_up``); a mode that fails
+    here is reported and skipped (its timed calls record the error per row)."""
     if not samples:
         return
-    broken: set[str] = set()
-    for _ in range(rounds):
-        for mode in modes:
-            if mode in broken:
-                continue
-            try:
-                generate(mode, samples[0], 0, max_new_tokens)
-            except Exception as err:  # noqa: BLE001 - the timed calls record the error per row
-                broken.add(mode)
-                print(f"warning: warm-up of {mode} failed: {type(err).__name__}: {err}", file=sys.stderr)
+    failed = warm_up(lambda mode: generate(mode, samples[0], 0, max_new_tokens), modes, rounds)
+    for mode, error in failed.items():
+        print(f"warning: warm-up of {mode} failed: {error}", file=sys.stderr)
 
 
 def run(

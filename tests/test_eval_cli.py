@@ -1,4 +1,4 @@
-"""End to end on tiny random models saved to a temp dir: the generator's measurements and a CLI smoke run."""
+"""End to end on tiny random models saved to a temp dir: the harness's measurements and CLI smoke runs."""
 
 import json
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from eval.__main__ import main
-from eval.modes import Generator, Settings
-from eval.tiny import save_tiny
+from hf_specdec.harness import MODES, Harness, Settings
+from hf_specdec.models.tiny import save_tiny_pair
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("tiny"))
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -24,54 +24,93 @@ def models(tiny):
     return target, draft, AutoTokenizer.from_pretrained(tiny[0])
 
 
-def test_generator_measurements(models):
+def test_harness_measurements(models):
     target, draft, tok = models
-    gen = Generator(target, tok, draft, Settings(max_new_tokens=8))
-    row = gen.generate("plain", "def add(a, b):\n", seed=0)
-    assert row["new_tokens"] == len(row["output_ids"]) == row["streamed_tokens"] > 0
-    assert 0 < row["ttft_s"] < row["e2e_s"]
-    assert row["target_forwards"] == row["new_tokens"] and row["mean_accepted_length"] == 1.0
-    assert row["spec"] is None and row["peak_mem_bytes"]
-    before = draft.generation_config.to_dict()
-    k3 = gen.generate("hf_assisted_k3", "def add(a, b):\n", seed=0)
-    assert draft.generation_config.to_dict() == before  # fixed-k settings restored
-    assert k3["output_ids"] == row["output_ids"]  # greedy parity in fp32
-    lookup = gen.generate("hf_prompt_lookup", "def add(a, b):\n", seed=0)
-    assert lookup["output_ids"] == row["output_ids"]
-    gen.close()
+    with Harness(target, tok, draft, Settings(max_new_tokens=8)) as harness:
+        ids = harness.encode("def add(a, b):\n").input_ids
+        row = harness.generate_row("plain", ids, seed=0)
+        assert row["new_tokens"] == len(row["output_ids"]) == row["streamed_tokens"] > 0
+        assert 0 < row["ttft_s"] < row["e2e_s"]
+        assert row["target_forwards"] == row["new_tokens"] and row["mean_accepted_length"] == 1.0
+        assert row["spec"] is None and row["peak_mem_bytes"] and "draft_forwards" not in row
+        before = draft.generation_config.to_dict()
+        k3 = harness.generate_row("hf_assisted_k3", ids, seed=0)
+        assert draft.generation_config.to_dict() == before  # fixed-k settings restored
+        assert k3["output_ids"] == row["output_ids"]  # greedy parity in fp32
+        assert k3["draft_forwards"] > 0 and k3["target_forwards"] < k3["new_tokens"] + 1
+        lookup = harness.generate_row("hf_prompt_lookup", ids, seed=0)
+        assert lookup["output_ids"] == row["output_ids"]
+        for mode in ("specdec_adaptive", "lookahead", "lookahead_warm"):
+            spec = harness.generate_row(mode, ids, seed=0)
+            assert spec["output_ids"] == row["output_ids"], mode
+            assert spec["spec"]["new_tokens"] == spec["new_tokens"] and spec["round_log"], mode
+
+
+def test_fixed_k_modes_fix_k_on_the_draft(models):
+    """transformers reads the fixed k (and the confidence stop that would make k variable) from the draft's
+    generation_config during the call; the harness sets all three and restores them afterwards."""
+    target, draft, tok = models
+    seen = []
+    handle = draft.register_forward_pre_hook(lambda module, args: seen.append(
+        (module.generation_config.num_assistant_tokens, module.generation_config.num_assistant_tokens_schedule,
+         module.generation_config.assistant_confidence_threshold)))
+    try:
+        with Harness(target, tok, draft, Settings(max_new_tokens=6)) as harness:
+            harness.generate_row("hf_assisted_k5", harness.encode("x = 1\n").input_ids)
+    finally:
+        handle.remove()
+    assert seen and set(seen) == {(5, "constant", 0.0)}
+    assert draft.generation_config.assistant_confidence_threshold != 0.0
 
 
 def test_transformers_modes_bypass_hf_specdec(models):
-    pytest.importorskip("hf_specdec")
     target, draft, tok = models
-    gen = Generator(target, tok, draft, Settings(max_new_tokens=4))
-    try:
-        gen.specdec  # enables hf_specdec on this instance
-        assert "generate" in vars(target)
-        target.last_spec_stats = None
-        row = gen.generate("plain", "x = 1\n", seed=0)
-        assert row["spec"] is None and getattr(target, "last_spec_stats", None) is None
-    finally:
-        gen.close()
-        import hf_specdec
+    with Harness(target, tok, draft, Settings(max_new_tokens=4)) as harness:
+        ids = harness.encode("x = 1\n").input_ids
+        try:
+            harness.generate_row("specdec_fixed", ids)  # enables hf_specdec on this instance
+            assert "generate" in vars(target)
+            target.last_spec_stats = None
+            row = harness.generate_row("plain", ids, seed=0)
+            assert row["spec"] is None and getattr(target, "last_spec_stats", None) is None
+        finally:
+            import hf_specdec
 
-        hf_specdec.disable(target)
+            hf_specdec.disable(target)
+
+
+def test_lookahead_warm_shares_one_memory_per_harness(models):
+    target, draft, tok = models
+    with Harness(target, tok, draft, Settings(max_new_tokens=24)) as harness:
+        ids = harness.encode("def add(a, b):\n").input_ids
+        cold = [harness.generate_row("lookahead", ids)["spec"]["rounds"] for _ in range(2)]
+        warm = [harness.generate_row("lookahead_warm", ids)["spec"]["rounds"] for _ in range(2)]
+        # the second warm call copies the first one's output from the shared memory; a cold call has no such source
+        assert warm[1] <= min(cold) // 2 < warm[0]
+        memory = harness.memory
+        harness.new_memory()
+        assert harness.memory is not memory
 
 
 def test_cli_smoke(tiny, tmp_path):
     out = tmp_path / "run"
     args = ["run", "--target", tiny[0], "--draft", tiny[1], "--dtype", "fp32",
-            "--modes", "plain,hf_assisted_k3,hf_prompt_lookup,specdec_fixed", "--task", "humaneval", "--limit", "2",
+            "--modes", ",".join(MODES), "--task", "humaneval", "--limit", "2",
             "--max-new-tokens", "6", "--warmup", "1", "--out", str(out), "--no-progress", "--exec-timeout", "5"]
     assert main(args) == 0
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
-    assert [(r["mode"], r["prompt_id"]) for r in rows][:4] == [
-        ("plain", "HumanEval/0"), ("hf_assisted_k3", "HumanEval/0"), ("hf_prompt_lookup", "HumanEval/0"),
-        ("specdec_fixed", "HumanEval/0")]
-    assert all(not r.get("error") for r in rows if not r["mode"].startswith("specdec"))
+    assert [(r["mode"], r["prompt_id"]) for r in rows][:len(MODES)] == [(m, "HumanEval/0") for m in MODES]
+    assert [(r["mode"], r["error"]) for r in rows if r.get("error")] == []  # every mode, hf_specdec's included
+    assert len(rows) == 2 * len(MODES)
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["errors"] == []
     assert summary["config"]["dtype_resolved"] == "float32"
-    assert summary["quality"]["modes"]["hf_assisted_k3"]["exact_rate"] == 1.0
+    assert summary["config"]["load_info"]["draft"]["kind"] == "pretrained"
+    assert {"cpu_model", "cpu_flags", "torch", "transformers", "hf_specdec"} <= set(summary["machine"])
+    for mode in MODES:  # greedy fp32: every mode reproduces plain
+        if mode != "plain":
+            assert summary["quality"]["modes"][mode]["exact_rate"] == 1.0, mode
+    assert summary["speed"]["lookahead"]["speedup_vs_prompt_lookup"] > 0
     plain = [r for r in rows if r["mode"] == "plain"]
     assert summary["oracle"]["harness_costs"]["tokens"] == sum(r["new_tokens"] - 1 for r in plain)
     md = (out / "report.md").read_text()

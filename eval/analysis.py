@@ -1,0 +1,88 @@
+"""Model-side analysis after decoding, cached in OUT/analysis.json: the teacher-forced probe (target margins
+over plain greedy output, draft agreement for the oracle bound, per-sample agreement under sampling) and the
+harness-measured costs c and v(n) (``hf_specdec.harness.measure_costs``)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+from hf_specdec.harness import device_of, measure_costs
+
+COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+COST_REPEATS = 7
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, list]:
+    """One forward over prompt + generated tokens: per generated position, the model's argmax and top1-top2 margin.
+
+    Position i holds the prediction for ``gen_ids[i]`` given ``prompt + gen_ids[:i]``.
+    """
+    if not gen_ids:
+        return {"argmax": [], "margin": []}
+    seq = torch.tensor([prompt_ids + gen_ids[:-1]], device=device_of(model))  # [1, L + n - 1]
+    n = len(gen_ids)
+    keep = {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    logits = model(input_ids=seq, **keep).logits[0, -n:].float()  # [n, vocab]
+    top2 = logits.topk(2, dim=-1).values
+    return {"argmax": logits.argmax(-1).tolist(), "margin": (top2[:, 0] - top2[:, 1]).tolist()}
+
+
+def _first_rows(rows, prompt_ids) -> dict[tuple, dict]:
+    """(mode, prompt id, seed) -> the successful row of the lowest repeat."""
+    first: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("error") or str(r["prompt_id"]) not in prompt_ids:
+            continue
+        key = (r["mode"], str(r["prompt_id"]), int(r["seed"]))
+        if key not in first or r["repeat"] < first[key]["repeat"]:
+            first[key] = r
+    return first
+
+
+def analyze(out: Path, rows, prompt_ids: dict[str, list[int]], target, draft, threshold: float, dtype: str,
+            temperature: float, progress: bool = True) -> None:
+    """Margins of the target over plain greedy output, teacher-forced draft agreement (oracle), costs, and
+    (sampling) each sampled row's draft agreement; ``prompt_ids``: sample id -> the encoded prompt."""
+    from .report import _load_json
+
+    path = out / "analysis.json"
+    analysis = _load_json(path)
+    analysis.update(dtype=dtype, tie_threshold=threshold)
+    margins = analysis.setdefault("margins", {})
+    agreement = analysis.setdefault("draft_agreement", {})
+    target_match = analysis.setdefault("target_argmax_matches_plain", {})
+    sample_agreement = analysis.setdefault("sample_agreement", {})
+    first = _first_rows(rows, prompt_ids)
+    todo = [(k, r) for k, r in first.items() if k[0] == "plain" or (temperature > 0 and draft is not None)]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="analysis", unit="seq")
+    for (mode, pid, seed), r in todo:
+        pkey = f"{pid}|{seed}"
+        ids = prompt_ids[pid]
+        if mode == "plain" and temperature == 0 and pkey not in margins:
+            tf = teacher_forced(target, ids, r["output_ids"])
+            margins[pkey] = [round(m, 4) for m in tf["margin"]]
+            target_match[pkey] = sum(a == b for a, b in zip(tf["argmax"], r["output_ids"])) / max(1, len(tf["argmax"]))
+            if draft is not None:
+                dtf = teacher_forced(draft, ids, r["output_ids"])
+                agreement[pkey] = [a == b for a, b in zip(dtf["argmax"], r["output_ids"])]
+        if temperature > 0 and draft is not None and f"{mode}|{pkey}" not in sample_agreement:
+            dtf = teacher_forced(draft, ids, r["output_ids"])
+            n = max(1, len(r["output_ids"]))
+            sample_agreement[f"{mode}|{pkey}"] = sum(a == b for a, b in zip(dtf["argmax"], r["output_ids"])) / n
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if "costs" not in analysis and prompt_ids:
+        prefix = torch.tensor([next(iter(prompt_ids.values()))])  # [1, L] the first sample's prompt
+        analysis["costs"] = measure_costs(target, draft, prefix, COST_SIZES, COST_REPEATS)
+    path.write_text(json.dumps(analysis))
