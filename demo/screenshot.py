@@ -1,7 +1,9 @@
-"""Regenerate docs/demo.png: start the app, run one comparison in headless Chromium, capture the page.
+"""Regenerate docs/demo.png: start the app (``python -m hf_specdec.demo.app``), run one comparison in headless
+Chromium, capture the page.
 
     python demo/screenshot.py                          # default pair, plain vs hf_specdec adaptive, 64 tokens
     python demo/screenshot.py --tiny --out /tmp/x.png  # the offline tiny pair
+    python demo/screenshot.py --tiny --modes plain hf_specdec lookahead --out /tmp/demo_tiny.png
 
 Needs Debian's chromium (/usr/bin/chromium) and `pip install playwright` (no `playwright install`).
 """
@@ -27,13 +29,14 @@ def main(argv=None) -> int:
     parser.add_argument("--example", type=int, default=0, help="index of the built-in example prompt")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for loading + the run")
     parser.add_argument("--chromium", default="/usr/bin/chromium")
-    args, app_args = parser.parse_known_args(argv)  # the rest (--tiny, --target, ...) goes to demo/app.py
+    args, app_args = parser.parse_known_args(argv)  # the rest (--tiny, --target, ...) goes to the app
+    from hf_specdec.demo import app  # its constants: the example prompts and the mode checkboxes
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(HERE / "app.py"), "--host", "127.0.0.1", "--port", str(port),
-                               *app_args])
+    server = subprocess.Popen([sys.executable, "-m", "hf_specdec.demo.app", "--host", "127.0.0.1", "--port",
+                               str(port), *app_args])
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + args.timeout
@@ -57,8 +60,8 @@ def main(argv=None) -> int:
             page = browser.new_page(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
             page.goto(url, wait_until="domcontentloaded")
             page.wait_for_selector("#run", timeout=120_000)
-            page.locator("#prompt textarea").fill(_example(args.example))
-            for label, key in _mode_labels():
+            page.locator("#prompt textarea").fill(app.EXAMPLES[args.example])
+            for key, label in app.PANES.items():
                 box = page.get_by_label(label, exact=True)
                 box.check() if key in args.modes else box.uncheck()
             number = page.locator("#max-new-tokens input[type=number]")
@@ -82,26 +85,6 @@ def main(argv=None) -> int:
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
-
-
-def _app_constants():
-    import ast
-
-    tree = ast.parse((HERE / "app.py").read_text())
-    values = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in ("EXAMPLES", "MODES"):
-                values[node.targets[0].id] = ast.literal_eval(node.value)
-    return values
-
-
-def _example(index: int) -> str:
-    return _app_constants()["EXAMPLES"][index]
-
-
-def _mode_labels():
-    return [(title, key) for key, title in _app_constants()["MODES"].items()]
 
 
 if __name__ == "__main__":

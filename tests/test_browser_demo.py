@@ -1,6 +1,6 @@
 """End to end: the demo in a real headless Chromium (Debian's /usr/bin/chromium driven by Playwright for Python).
 
-Starts ``python demo/app.py --tiny`` (offline random tiny pair) on a free localhost port in a subprocess, opens
+Starts ``python -m hf_specdec.demo.app --tiny`` (offline random tiny pair) on a free localhost port in a subprocess, opens
 the page, selects two modes (plain and transformers assisted), runs a prompt, and checks that both panes
 filled, their metrics show numbers, accepted draft tokens are highlighted, and the summary line appeared.
 
@@ -18,14 +18,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-APP_PATH = Path(__file__).resolve().parents[1] / "demo" / "app.py"
 
 pytestmark = [
     pytest.mark.browser,
@@ -47,7 +45,7 @@ def server_url(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("demo") / "server.log"
     with open(log, "w") as out:
-        command = [sys.executable, str(APP_PATH), "--tiny", "--host", "127.0.0.1", "--port", str(port)]
+        command = [sys.executable, "-m", "hf_specdec.demo.app", "--tiny", "--host", "127.0.0.1", "--port", str(port)]
         env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/"

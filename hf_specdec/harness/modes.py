@@ -1,14 +1,18 @@
 """Decoding modes: every way the eval harness, the demo, the bench presets and ``hf-specdec generate`` decode.
 
-| mode | what runs |
-|---|---|
-| ``plain`` | transformers ``generate``, no speculation: the baseline |
-| ``hf_assisted`` | transformers assisted generation with the draft and transformers' defaults (20 tokens, "constant" schedule, confidence stop 0.4 with ROC re-tuning) |
-| ``hf_assisted_k3``, ``hf_assisted_k5`` | the same with a fixed k: the draft's generation_config gets ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and ``assistant_confidence_threshold=0`` (else the confidence stop makes k variable), restored afterwards (transformers ignores kwargs to ``generate`` for these) |
-| ``hf_prompt_lookup`` | transformers prompt lookup, ``prompt_lookup_num_tokens=10`` |
-| ``specdec_adaptive``, ``specdec_fixed``, ``specdec_heuristic`` | hf_specdec with the draft, ``SpecConfig(policy=..., num_draft_tokens=spec_k)`` |
-| ``lookahead`` | hf_specdec lookahead, no draft; cold: ``lookahead_memory=None`` (no call learns from another) |
-| ``lookahead_warm`` | hf_specdec lookahead with one ``LookaheadMemory`` shared by the calls of one harness (one run, one task family): each call reads the earlier ones' prompts, outputs and measurements |
+- ``plain``: transformers ``generate``, no speculation: the baseline.
+- ``hf_assisted``: transformers assisted generation with the draft and transformers' defaults (20 tokens,
+  "constant" schedule, confidence stop 0.4 with ROC re-tuning).
+- ``hf_assisted_k3``, ``hf_assisted_k5``: the same with a fixed k. The draft's generation_config gets
+  ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"`` and
+  ``assistant_confidence_threshold=0`` (else the confidence stop makes k variable), restored afterwards
+  (transformers ignores kwargs to ``generate`` for these).
+- ``hf_prompt_lookup``: transformers prompt lookup, ``prompt_lookup_num_tokens=10``.
+- ``specdec_adaptive``, ``specdec_fixed``, ``specdec_heuristic``: hf_specdec with the draft,
+  ``SpecConfig(policy=..., num_draft_tokens=spec_k)`` (``max_draft_tokens``: its default, or spec_k if larger).
+- ``lookahead``: hf_specdec lookahead, no draft; cold: ``lookahead_memory=None`` (no call learns from another).
+- ``lookahead_warm``: hf_specdec lookahead with the harness's one ``LookaheadMemory`` (one run, one task
+  family): each call reads the earlier warm calls' prompts, outputs and measurements.
 
 transformers' modes run the unmodified transformers ``generate``: ``type(model).generate(model, ...)`` skips
 the per-instance override that ``hf_specdec.enable`` installs. hf_specdec's modes ``enable`` the target first.
