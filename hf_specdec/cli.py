@@ -3,84 +3,78 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
+
+GENERATE_MODES = ("speculative", "lookahead", "plain")  # speculative = specdec_{--policy}; or any harness mode
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    import hf_specdec
+    from hf_specdec.harness import MODES, Harness, IncrementalText, RoundStreamer, Settings
     from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 
-    model, tokenizer = load_model(args.target or DEFAULT_TARGET, dtype=args.dtype)
+    mode = MODES[f"specdec_{args.policy}" if args.mode == "speculative" else args.mode]
+    model, tokenizer, _ = load_model(args.target or DEFAULT_TARGET, dtype=args.dtype)
     draft = None
-    if args.mode == "speculative":
-        draft, _ = load_model(args.draft or DEFAULT_DRAFT, dtype=args.dtype,
-                              quantize=None if args.draft_quant == "none" else args.draft_quant)
-    hf_specdec.enable(model)
-    if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:
-        text = args.prompt
-    inputs = tokenizer(text, return_tensors="pt")
-    from transformers import TextStreamer
+    if mode.needs_draft:
+        quantize = None if args.draft_quant == "none" else args.draft_quant
+        draft = load_model(args.draft or DEFAULT_DRAFT, dtype=args.dtype, quantize=quantize).model
+    text = IncrementalText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, streamer=streamer,
-                  do_sample=args.temperature > 0)
-    if args.temperature > 0:
-        kwargs["temperature"] = args.temperature
-    with torch.inference_mode():
-        if args.mode == "speculative":
-            model.generate(**inputs, assistant_model=draft, spec_config=hf_specdec.SpecConfig(policy=args.policy),
-                           **kwargs)
-        elif args.mode == "lookahead":
-            model.generate(**inputs, decoding="lookahead", **kwargs)
-        else:
-            model.generate(**inputs, **kwargs)
-    if args.mode != "plain":
-        print("\n" + model.last_spec_stats.summary(), file=sys.stderr)
+    def show(ids: list[int], accepted: int, t: float) -> None:
+        sys.stdout.write(text.append(ids))
+        sys.stdout.flush()
+
+    settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    with Harness(model, tokenizer, draft, settings) as harness:
+        prompt = harness.encode(args.prompt, chat=args.chat)
+        row = harness.generate_row(mode.name, prompt.input_ids, seed=args.seed,
+                                   streamer=RoundStreamer(on_chunk=show, sync=harness.sync))
+    print(text.flush())
+    ttft = "n/a" if row["ttft_s"] is None else f"{row['ttft_s']:.2f} s"
+    print(f"[{mode.title}] {row['new_tokens']} tokens in {row['e2e_s']:.2f} s ({row['tokens_per_s'] or 0:.2f} "
+          f"tokens/s), TTFT {ttft}, mean accepted length {row['mean_accepted_length'] or 0:.2f}, prompt "
+          f"{row['prompt_tokens']} tokens", file=sys.stderr)
+    if mode.hf_specdec and model.last_spec_stats is not None:
+        print(model.last_spec_stats.summary(), file=sys.stderr)
     return 0
 
 
 def _demo(argv: list[str]) -> int:
-    app_path = Path(__file__).resolve().parent.parent / "demo" / "app.py"
-    if not app_path.exists():
-        print(f"hf-specdec demo: {app_path} not found; run it from a checkout of the repository "
-              "(pip install -e '.[demo]').", file=sys.stderr)
+    try:
+        from hf_specdec.demo import app
+    except ModuleNotFoundError as err:
+        if err.name not in ("gradio", "matplotlib"):
+            raise
+        print(f"hf-specdec demo needs {err.name}: pip install 'hf_specdec[demo]'", file=sys.stderr)
         return 2
-    spec = importlib.util.spec_from_file_location("hf_specdec_demo_app", app_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
-    spec.loader.exec_module(module)
-    return int(module.main(argv) or 0)
+    return int(app.main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-specdec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+    from hf_specdec.harness import MODES
     from hf_specdec.models import cli as models_cli
 
+    parser = argparse.ArgumentParser(prog="hf-specdec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
     models_cli.register(sub)
 
     gen = sub.add_parser("generate", help="generate text from a prompt with one decoding mode, streaming")
     gen.add_argument("prompt")
     gen.add_argument("--target", default=None, help="model reference (bundle name, hub id, dir, .gguf)")
-    gen.add_argument("--draft", default=None)
+    gen.add_argument("--draft", default=None, help="draft reference (modes that use a draft)")
     gen.add_argument("--draft-quant", default="4bit", choices=["4bit", "8bit", "none"])
-    gen.add_argument("--mode", default="speculative", choices=["speculative", "lookahead", "plain"])
+    gen.add_argument("--mode", default="speculative", choices=[*GENERATE_MODES, *(m for m in MODES if m not in
+                                                                                 GENERATE_MODES)],
+                     help="speculative (hf_specdec with --policy), lookahead, plain, or any eval harness mode")
     gen.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "heuristic"])
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=_generate)
 
-    # `hf-specdec demo ARGS...` hands ARGS to demo/app.py untouched (see main)
+    # `hf-specdec demo ARGS...` hands ARGS to hf_specdec.demo.app.main untouched (see main)
     sub.add_parser("demo", help="the side-by-side Gradio demo; `hf-specdec demo --help` for its options")
     return parser
 
@@ -89,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 
