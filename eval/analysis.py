@@ -9,8 +9,11 @@ import json
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from hf_specdec.harness import device_of, measure_costs
+
+from .report import _first_rows, _load_json
 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 COST_REPEATS = 7
@@ -32,24 +35,10 @@ def teacher_forced(model, prompt_ids: list[int], gen_ids: list[int]) -> dict[str
     return {"argmax": logits.argmax(-1).tolist(), "margin": (top2[:, 0] - top2[:, 1]).tolist()}
 
 
-def _first_rows(rows, prompt_ids) -> dict[tuple, dict]:
-    """(mode, prompt id, seed) -> the successful row of the lowest repeat."""
-    first: dict[tuple, dict] = {}
-    for r in rows:
-        if r.get("error") or str(r["prompt_id"]) not in prompt_ids:
-            continue
-        key = (r["mode"], str(r["prompt_id"]), int(r["seed"]))
-        if key not in first or r["repeat"] < first[key]["repeat"]:
-            first[key] = r
-    return first
-
-
 def analyze(out: Path, rows, prompt_ids: dict[str, list[int]], target, draft, threshold: float, dtype: str,
             temperature: float, progress: bool = True) -> None:
     """Margins of the target over plain greedy output, teacher-forced draft agreement (oracle), costs, and
     (sampling) each sampled row's draft agreement; ``prompt_ids``: sample id -> the encoded prompt."""
-    from .report import _load_json
-
     path = out / "analysis.json"
     analysis = _load_json(path)
     analysis.update(dtype=dtype, tie_threshold=threshold)
@@ -57,13 +46,9 @@ def analyze(out: Path, rows, prompt_ids: dict[str, list[int]], target, draft, th
     agreement = analysis.setdefault("draft_agreement", {})
     target_match = analysis.setdefault("target_argmax_matches_plain", {})
     sample_agreement = analysis.setdefault("sample_agreement", {})
-    first = _first_rows(rows, prompt_ids)
+    first = {(mode, pid, seed): r for (pid, mode, seed), r in _first_rows(rows).items() if pid in prompt_ids}
     todo = [(k, r) for k, r in first.items() if k[0] == "plain" or (temperature > 0 and draft is not None)]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo), desc="analysis", unit="seq")
+    bar = tqdm(total=len(todo), desc="analysis", unit="seq", disable=not progress)
     for (mode, pid, seed), r in todo:
         pkey = f"{pid}|{seed}"
         ids = prompt_ids[pid]
@@ -78,10 +63,8 @@ def analyze(out: Path, rows, prompt_ids: dict[str, list[int]], target, draft, th
             dtf = teacher_forced(draft, ids, r["output_ids"])
             n = max(1, len(r["output_ids"]))
             sample_agreement[f"{mode}|{pkey}"] = sum(a == b for a, b in zip(dtf["argmax"], r["output_ids"])) / n
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     if "costs" not in analysis and prompt_ids:
         prefix = torch.tensor([next(iter(prompt_ids.values()))])  # [1, L] the first sample's prompt
         analysis["costs"] = measure_costs(target, draft, prefix, COST_SIZES, COST_REPEATS)

@@ -12,6 +12,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from . import metrics
 from .runner import read_rows
 from .sandbox import Limits, isolation, run_program
@@ -50,11 +52,7 @@ def score_rows(out: Path, rows: list[dict], limits: Limits | None = None, progre
         if h not in cache and h not in {t[0] for t in todo}:
             todo.append((h, r))
     if todo:
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo), desc="executing", unit="prog")
+        bar = tqdm(total=len(todo), desc="executing", unit="prog", disable=not progress)
         with open(path, "a") as fh:
             for h, r in todo:
                 sample = Sample(r["task"], str(r["prompt_id"]), "", r.get("style", "completion"),
@@ -65,10 +63,8 @@ def score_rows(out: Path, rows: list[dict], limits: Limits | None = None, progre
                 cache[h] = item
                 fh.write(json.dumps(item) + "\n")
                 fh.flush()
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar.update(1)
+        bar.close()
     return cache
 
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from hf_specdec.harness import warm_up
 
 ROWS = "rows.jsonl"
@@ -88,11 +90,7 @@ def run(
     if not todo:
         return rows
     warmup(lambda m, s, seed, n: generate(m, s, seed, n), samples, modes, warmup_rounds, warmup_tokens)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo), desc="decoding", unit="gen")
+    bar = tqdm(total=len(todo), desc="decoding", unit="gen", disable=not progress)
     path = out / ROWS
     if path.exists() and path.stat().st_size:
         with open(path, "rb") as fh:
@@ -116,9 +114,7 @@ def run(
             fh.flush()
             if not row.get("error"):
                 rows.append(row)
-            if bar is not None:
-                bar.set_postfix_str(f"{mode} {sample.id}")
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.set_postfix_str(f"{mode} {sample.id}")
+            bar.update(1)
+    bar.close()
     return rows

@@ -9,27 +9,18 @@ import sys
 import zipfile
 
 import pytest
-import torch
 
 from hf_specdec.cli import GENERATE_MODES, main
 from hf_specdec.models import BUNDLES, TINY_TARGET, ModelLoadOOMError, bundles, loading
-from hf_specdec.models.tiny import save_tiny_pair
+from tests.test_eval_cli import models, tiny  # noqa: F401 (fixtures: the saved tiny pair, loaded in fp32)
 
 PROMPT = "def add(a, b):"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def plain_text(tiny):
+def plain_text(models):
     """What transformers' own greedy generate says for PROMPT: what every mode must stream."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(tiny[0])
+    model, _, tok = models
     ids = tok(PROMPT, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     return tok.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
