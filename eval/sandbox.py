@@ -67,7 +67,7 @@ del _name
 '''
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
     timeout_s: float = 10.0  # wall clock
     cpu_s: int = 10  # RLIMIT_CPU

@@ -1,17 +1,12 @@
 """hf_specdec demo: plain, transformers-assisted, hf_specdec and lookahead decoding side by side.
 
-One prompt, up to four decoding modes, run one after another (for honest timings) and streamed round by round
-into side-by-side panes with tokens/s, time to first token, elapsed time, mean accepted length and acceptance;
-text from accepted draft tokens is highlighted, a plot shows accepted tokens per round and a summary line each
-mode's speedup over plain and whether its output is identical. Every mode runs through ``hf_specdec.harness``
-(the mode calls, streamer, prompt encoding and measurements the eval harness uses); ``panes.py`` draws them.
+One prompt, up to four modes run one after another (honest timings) and streamed round by round into panes
+(``panes.py``), every mode through ``hf_specdec.harness`` (the eval harness's modes, streamer, encoding and
+measurements); models load once per app and every mode is warmed up, untimed (``loading.py``).
 
-    hf-specdec demo                     # default pair: qwen2.5-coder-1.5b-instruct + 0.5b draft (4-bit), CPU
-    hf-specdec demo --tiny              # offline random tiny pair, seconds to start (gibberish text)
-    python -m hf_specdec.demo.app --target smollm2-135m-instruct --draft smollm2-135m-instruct
+    hf-specdec demo [--tiny] [--target REF --draft REF] [--dtype fp32] [--port 7860]
 
-The module-level ``demo`` loads nothing at import: the models load, and every mode runs once untimed (so a
-visitor's first run is timed honestly), on the first Run, or at start when launched through ``main``.
+The module-level ``demo`` loads nothing at import: models load on the first Run, or at start through ``main``.
 """
 
 from __future__ import annotations
@@ -23,19 +18,21 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import gradio as gr
+import torch
 
 from ..harness import MODES, RoundStreamer, Settings
 from ..models import DEFAULT_DRAFT, DEFAULT_TARGET
 from .loading import Loaded, ModelCache, ModelChoice, ModelLoadError
 from .panes import PaneRun, render_pane, rounds_figure, session_line, speedup, summary_line
 
-PANES = {"plain": "Plain (transformers)", "assisted": "Transformers assisted", "hf_specdec": "hf_specdec",
-         "lookahead": "Lookahead (hf_specdec)"}  # pane key -> checkbox label, in the order the modes run
-DEFAULT_PANES = ["plain", "hf_specdec"]
-POLICIES = ["adaptive", "fixed", "heuristic"]
-QUANTIZATIONS = ["4bit", "none"]
+PANES = MappingProxyType({"plain": "Plain (transformers)", "assisted": "Transformers assisted",
+                          "hf_specdec": "hf_specdec", "lookahead": "Lookahead (hf_specdec)"})  # key -> label, run order
+DEFAULT_PANES = ("plain", "hf_specdec")
+POLICIES = ("adaptive", "fixed", "heuristic")
+QUANTIZATIONS = ("4bit", "none")
 MAX_PROMPT_CHARS = 8000  # cut before tokenizing
 MAX_PROMPT_TOKENS = 1024  # the last 1024 prompt tokens are kept
 MAX_NEW_TOKENS = 256  # CPU demo: keep a run of all four modes under a few minutes
@@ -44,7 +41,7 @@ MAX_TEMPERATURE = 1.5
 SEED = 0  # every mode is seeded the same when sampling
 REFRESH_S = 0.15  # at most ~7 UI updates per second while streaming
 HONEST_TIMING_NOTE = "Modes run one after another for honest timings (no two ever share the CPU)."
-EXAMPLES = [
+EXAMPLES = (
     "Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number iteratively, with a docstring.",
     "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation. "
     "Add three doctests.",
@@ -52,7 +49,7 @@ EXAMPLES = [
     "Write a Python class `Stack` with push, pop, peek and is_empty methods, and raise IndexError on empty pop.",
     "Convert this loop to a list comprehension:\n\nresult = []\nfor x in range(20):\n    if x % 3 == 0:\n"
     "        result.append(x * x)",
-]
+)
 INTRO = """# hf_specdec: speculative and lookahead decoding, live
 The same prompt decoded by each selected mode. **Highlighted text came from accepted draft tokens** (two shades
 alternate by round): everywhere it is highlighted, the target model checked several tokens in one forward instead
@@ -92,9 +89,9 @@ class DemoSettings:
         return Settings(max_new_tokens=self.max_new_tokens, temperature=self.temperature)
 
 
-def run_mode(key: str, loaded: Loaded, input_ids, settings: DemoSettings, run: PaneRun | None = None
-             ) -> Iterator[PaneRun]:
-    """Run one pane's mode on ``input_ids`` ([1, L]), streaming: yields the same ``PaneRun`` as it fills
+def run_mode(key: str, loaded: Loaded, input_ids: torch.LongTensor,  # [1, L] the encoded prompt
+             settings: DemoSettings, run: PaneRun | None = None) -> Iterator[PaneRun]:
+    """Run one pane's mode on ``input_ids``, streaming: yields the same ``PaneRun`` as it fills
     (throttled), then once done. ``generate_row`` runs in a worker thread that this generator reads through a
     queue; closing the generator (the visitor left) cancels the call. Errors end in the pane, never raise."""
     harness = loaded.harness
@@ -238,15 +235,15 @@ def build_demo(choice: ModelChoice | None = None) -> gr.Blocks:
                                     placeholder="Ask for some code…", value=EXAMPLES[0])
                 gr.Examples(examples=[[e] for e in EXAMPLES], inputs=[prompt], label="Coding examples")
             with gr.Column(scale=2):
-                modes = gr.CheckboxGroup(choices=[(label, key) for key, label in PANES.items()], value=DEFAULT_PANES,
-                                         label="Modes (2 to 4)", elem_id="modes")
+                modes = gr.CheckboxGroup(choices=[(label, key) for key, label in PANES.items()],
+                                         value=list(DEFAULT_PANES), label="Modes (2 to 4)", elem_id="modes")
                 max_new = gr.Slider(8, MAX_NEW_TOKENS, value=DEFAULT_NEW_TOKENS, step=8, label="Max new tokens",
                                     elem_id="max-new-tokens")
                 temperature = gr.Slider(0.0, MAX_TEMPERATURE, value=0.0, step=0.1,
                                         label="Temperature (0 = greedy: outputs must be identical)")
                 with gr.Row():
-                    policy = gr.Radio(POLICIES, value="adaptive", label="Draft policy (hf_specdec)")
-                    quant = gr.Radio(QUANTIZATIONS, value="4bit", label="Draft quantization")
+                    policy = gr.Radio(list(POLICIES), value="adaptive", label="Draft policy (hf_specdec)")
+                    quant = gr.Radio(list(QUANTIZATIONS), value="4bit", label="Draft quantization")
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
                 gr.Markdown(f"*{HONEST_TIMING_NOTE}* Models: {choice.describe()}.")
         status = gr.Markdown(elem_id="status")

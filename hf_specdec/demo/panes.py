@@ -9,13 +9,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from ..harness import IncrementalText
 
 DRAFT_COLORS = ("#fcd34d", "#fde68a")  # accepted draft tokens, alternating by round
-PLOT_COLORS = {"assisted": "#6b7280", "hf_specdec": "#d97706", "lookahead": "#2563eb"}
-STATUS_COLORS = {"running": "#2563eb", "done": "#16a34a", "error": "#dc2626"}
+PLOT_COLORS = MappingProxyType({"assisted": "#6b7280", "hf_specdec": "#d97706", "lookahead": "#2563eb"})
+STATUS_COLORS = MappingProxyType({"running": "#2563eb", "done": "#16a34a", "error": "#dc2626"})
 
 
 @dataclass
@@ -96,8 +97,8 @@ class PaneRun:
         elapsed = max((now or time.perf_counter()) - self.t_start, 1e-9)
         rounds = len(self.rounds)
         ttft = None if self.t_first is None else self.t_first - self.t_start
-        return {"tok_s": len(self.ids) / elapsed, "ttft_s": ttft, "elapsed_s": elapsed, "mean_accepted_length": len(self.ids) / rounds if rounds else None,
-                "acceptance_rate": rate, "acceptance_exact": exact, "tokens": len(self.ids), "rounds": rounds}
+        return {"tok_s": len(self.ids) / elapsed, "ttft_s": ttft, "elapsed_s": elapsed,
+                "mean_accepted_length": len(self.ids) / rounds if rounds else None, "acceptance_rate": rate, "acceptance_exact": exact, "tokens": len(self.ids), "rounds": rounds}
 
 
 def _fmt(value, pattern: str, dash: str = "—") -> str:

@@ -125,9 +125,9 @@ class Harness:
         """:func:`~hf_specdec.harness.encoding.encode_prompt` with this harness's tokenizer and device."""
         return encode_prompt(self.tokenizer, text, device=self.device, **kwargs)
 
-    def generate_kwargs(self, input_ids: torch.LongTensor, streamer, settings: Settings,
-                        max_new_tokens: int) -> dict[str, Any]:
-        """The ``generate`` arguments every mode shares (input_ids: [1, L])."""
+    def generate_kwargs(self, input_ids: torch.LongTensor,  # [1, L]
+                        streamer, settings: Settings, max_new_tokens: int) -> dict[str, Any]:
+        """The ``generate`` arguments every mode shares."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         kwargs: dict[str, Any] = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                       max_new_tokens=max_new_tokens, streamer=streamer, pad_token_id=pad)
@@ -138,9 +138,11 @@ class Harness:
             kwargs.update(do_sample=False)
         return kwargs
 
-    def generate_row(self, mode: str, input_ids: torch.LongTensor, seed: int = 0, max_new_tokens: int | None = None,
-                     *, settings: Settings | None = None, streamer: RoundStreamer | None = None) -> dict[str, Any]:
-        """Run ``mode`` once on ``input_ids`` ([1, L], on this harness's device) and measure it (module docstring).
+    def generate_row(self, mode: str,
+                     input_ids: torch.LongTensor,  # [1, L] the prompt, on this harness's device
+                     seed: int = 0, max_new_tokens: int | None = None, *, settings: Settings | None = None,
+                     streamer: RoundStreamer | None = None) -> dict[str, Any]:
+        """Run ``mode`` once on ``input_ids`` and measure it (see the module docstring).
 
         ``settings`` default to the harness's; ``streamer`` (default: a fresh one) lets a caller watch the
         rounds or cancel the call. Raises what the call raises (``ValueError`` for a mode that needs a draft
@@ -232,10 +234,12 @@ def warm_up(run_once: Callable[[str], object], modes: Iterable[str], rounds: int
     return failed
 
 
-def measure_costs(target, draft, prefix_ids: torch.LongTensor, sizes: Sequence[int], repeats: int = 5) -> dict:
+def measure_costs(target, draft,
+                  prefix_ids: torch.LongTensor,  # [1, L] the cached context
+                  sizes: Sequence[int], repeats: int = 5) -> dict:
     """Forward costs measured offline by :func:`hf_specdec.costmodel.forward_times` (median of ``repeats``).
 
-    ``prefix_ids``: [1, L], the cached context. ``t_s[n]``: seconds of one target forward over n new tokens;
+    ``t_s[n]``: seconds of one target forward over n new tokens;
     ``t_step_s`` = t(1); ``v[n]`` = t(n) / t(1); with a draft, ``t_draft_s`` (one draft forward over 1 new
     token) and ``c`` = t_draft / t_step. Keys of ``t_s`` and ``v`` are strings (JSON).
     """

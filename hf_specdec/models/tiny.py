@@ -37,7 +37,7 @@ CHATML = (
 )
 WORDS = ("def return if else for in while import class self print None True False and or not the a of to "
          "is n x y i list int str dict value result key sort merge prime stack json path open").split()
-WORD_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+WORD_SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
 
 
 # -- random models ----------------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def word_tokenizer(words=WORDS, permute: bool = False):
     words = list(dict.fromkeys(words))
     if permute:
         words = words[::-1]
-    vocab = {t: i for i, t in enumerate(WORD_SPECIALS + words)}
+    vocab = {t: i for i, t in enumerate([*WORD_SPECIALS, *words])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
