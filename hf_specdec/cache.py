@@ -6,9 +6,11 @@ Only ``DynamicCache`` with croppable layers qualifies; static, quantized, offloa
 
 Operations:
 
-``rollback(cache, length)``        keep the first ``length`` positions of every layer (draft and chain verify).
-``compact(cache, start, keep)``    keep positions ``[0, start)`` plus the positions ``start + keep[i]``, in that
-                                   order (tree/lookahead verify: the accepted path's KV is kept, the rest dropped).
+``rollback(cache, length)``        keep the first ``length`` positions of every layer (the draft model's cache,
+                                   and repair after a failed forward).
+``keep(cache, start, kept)``       after a round's forward appended its inputs at ``start``: keep positions
+                                   ``[0, start)`` plus ``start + kept[i]``, in that order (the accepted path's KV);
+                                   a contiguous prefix (a chain) is a rollback, anything else a gather.
 ``forward(model, ...)``            one model call over a cache, returning logits; hides the 5.23/5.24 rename of
                                    ``past_key_values`` to ``cache``.
 """
@@ -74,6 +76,17 @@ def compact(cache: Cache, start: int, keep: torch.LongTensor) -> None:
         kept_values = layer.values.index_select(-2, index)
         layer.keys = torch.cat([layer.keys[..., :start, :], kept_keys], dim=-2)
         layer.values = torch.cat([layer.values[..., :start, :], kept_values], dim=-2)
+
+
+def keep(cache: Cache, start: int, kept: torch.LongTensor) -> None:
+    """The accepted path's KV stays, the rest of the round goes (``kept``: [m] input offsets, increasing).
+
+    A chain that accepted 2 of its 4 draft tokens keeps inputs 0, 1, 2: a rollback to ``start + 3``.
+    """
+    if kept.tolist() == list(range(kept.shape[0])):
+        rollback(cache, start + kept.shape[0])
+    else:
+        compact(cache, start, kept)
 
 
 @functools.cache

@@ -24,10 +24,13 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 
 from . import cache as kv
 from .config import LookaheadConfig, SpecConfig
+from .drafters.base import ChainDrafter
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.lookahead import LookaheadDrafter, LookaheadMemory
+from .drafters.lookahead import LookaheadDrafter
+from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
-from .policy import FixedPolicy, make_policy
+from .memory import LookaheadMemory
+from .policy import TreePolicy, make_policy
 from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -60,25 +63,20 @@ def speculative_generate(
     if draft_model is None:
         raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
     config = _as_config(spec_config, SpecConfig, "spec_config")
-    policy = make_policy(config)
     inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
-        return _run(model, inputs, pad, draft_model, policy, spec_streamer, generation_config, SpecStats())
-    _check_same_family(model, draft_model)
-    inputs.vocab_size = min(inputs.vocab_size, _vocab_size(draft_model))
-    drafter = DraftModelDrafter(
-        draft_model,
-        logits_processor,
-        do_sample=inputs.do_sample,
-        vocab_size=inputs.vocab_size,
-        need_confidence=getattr(policy, "needs_confidence", False),
-        generator=inputs.generator,
-        draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
-        special_token_ids=_special_token_ids(generation_config),
-        free_tokens=policy.free_tokens if config.policy == "adaptive" and config.history_lookup else None,
-        prefer_lookup=policy.prefer_lookup,
-    )
-    return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="speculative"))
+        drafter = draft_model
+    else:
+        _check_same_family(model, draft_model)
+        inputs.vocab_size = min(inputs.vocab_size, vocab_size(draft_model))
+        drafter = ChainDrafter(
+            DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
+                              draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
+                              special_token_ids=_special_token_ids(generation_config)),
+            PromptLookupDrafter() if config.history_lookup else None,
+        )
+    return _run(model, inputs, pad, drafter, make_policy(config), spec_streamer, generation_config,
+                SpecStats(mode="speculative"))
 
 
 def lookahead_generate(
@@ -102,8 +100,8 @@ def lookahead_generate(
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
                          f"{type(lookahead_memory).__name__}.")
     inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-    drafter = LookaheadDrafter(model, config, inputs, memory=lookahead_memory)
-    policy = FixedPolicy(drafter.max_tokens)
+    drafter = LookaheadDrafter(model, config, memory=lookahead_memory)
+    policy = TreePolicy(config, drafter.memory.estimates)
     return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="lookahead"))
 
 
@@ -118,9 +116,9 @@ def _as_config(value, cls, name):
     return value
 
 
-def _draft_vocab_size(config: SpecConfig, vocab_size: int) -> int | None:
+def _draft_vocab_size(config: SpecConfig, shared: int) -> int | None:
     if config.draft_vocab_size == "auto":
-        return 32768 if vocab_size > 65536 else None
+        return 32768 if shared > 65536 else None
     return config.draft_vocab_size
 
 
@@ -134,13 +132,14 @@ def _special_token_ids(generation_config: GenerationConfig) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
-def _vocab_size(model) -> int:
+def vocab_size(model) -> int:
+    """Rows of the output layer (the logits a model computes); the config's vocab_size without one."""
     head = model.get_output_embeddings()
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def _check_same_family(model, draft_model) -> None:
-    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+    target_vocab, draft_vocab = vocab_size(model), vocab_size(draft_model)
     if min(target_vocab, draft_vocab) < 0.95 * max(target_vocab, draft_vocab):
         raise ValueError(
             f"Target and draft vocabularies differ too much ({target_vocab} vs {draft_vocab} rows) to be one "
@@ -184,7 +183,6 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             raise ValueError("attention_mask has zeros after the first real token; only left padding is supported.")
         pad, input_ids = input_ids[:, :num_pad], input_ids[:, num_pad:]
 
-    generator = None
     return DecodeInputs(
         target=model,
         input_ids=input_ids,
@@ -193,15 +191,15 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         stopping_criteria=stopping_criteria,
         do_sample=bool(generation_config.do_sample),
         max_length=int(generation_config.max_length) - pad.shape[1],
-        vocab_size=_vocab_size(model),
-        generator=generator,
+        vocab_size=vocab_size(model),
+        attention=getattr(model.config, "_attn_implementation", None) or "eager",
         output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
     ), pad
 
 
 def _run(model, inputs, pad, drafter, policy, streamer, generation_config, stats):
-    sequences, stats, scores = decode(inputs, drafter, policy, streamer=streamer, stats=stats)
-    sequences = torch.cat([pad, sequences], dim=1)
+    decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
+    sequences, scores = torch.cat([pad, decoded.sequences], dim=1), decoded.scores
     model.last_spec_stats = stats
     if not generation_config.return_dict_in_generate:
         return sequences

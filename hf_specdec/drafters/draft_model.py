@@ -16,23 +16,20 @@ Two savings that leave the output unchanged (the target verifies every token):
   scores only the first ``draft_vocab_size`` token ids (BPE ids are roughly ordered by frequency), the prompt's
   tokens and the special tokens; everything else gets probability 0 in the draft, which rejection sampling
   handles exactly.
-- Prompt lookup after the draft. When the draft's tokens continue something already seen in the prompt or the
-  output, the tokens that followed it there are appended without any draft forward, as many as the policy's
-  expected-rate rule says pay for their extra verify time (it learns how often such tokens are accepted).
-  They are deterministic drafts (one-hot ``draft_probs``).
+- Prompt lookup after the draft (``base.ChainDrafter`` with ``prompt_lookup.PromptLookupDrafter``): when the
+  draft's tokens continue something already seen in the prompt or the output, the tokens that followed it there
+  are appended without any draft forward, as many as the policy's rule says pay for their extra verify time.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import torch
 from transformers import LogitsProcessorList
 
 from .. import cache as kv
-from .base import KeepDrafting, Proposal
-from .ngram_pool import HistoryIndex
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, Source
 
 
 class SubVocabHead:
@@ -66,7 +63,7 @@ class SubVocabHead:
 
 
 class DraftModelDrafter:
-    LEADING_LOOKUP = 10  # longest continuation a lookup-only round verifies (transformers' prompt lookup uses 10)
+    """Drafts a chain with a small causal LM that keeps its own KV cache across rounds (module docstring)."""
 
     def __init__(
         self,
@@ -75,31 +72,21 @@ class DraftModelDrafter:
         *,
         do_sample: bool,
         vocab_size: int,  # the vocabulary shared with the target (smaller of the two when one is padded)
-        need_confidence: bool,
-        generator: torch.Generator | None = None,
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
-        free_tokens: Callable[[int, int], int] | None = None,  # policy.free_tokens: how many lookup tokens to append
-        prefer_lookup: Callable[[int], bool] | None = None,  # policy.prefer_lookup: a lookup-only round instead?
     ) -> None:
         self.model = draft_model
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.vocab_size = vocab_size
-        self.need_confidence = need_confidence
-        self.generator = generator
         self.draft_vocab_size = draft_vocab_size
         self.special_token_ids = special_token_ids
-        self.free_tokens = free_tokens
-        self.prefer_lookup = prefer_lookup or (lambda num_lookup: False)
         self.cache = kv.new_cache(draft_model)
         self.num_cached = 0  # committed tokens whose KV is in self.cache
         self.device = next(draft_model.parameters()).device
         self.head: SubVocabHead | None = None
-        self.history: HistoryIndex | None = HistoryIndex(max_match=3) if free_tokens is not None else None
 
-    def prefill(self, prompt_ids: torch.LongTensor) -> float:
-        start = time.perf_counter()
+    def prefill(self, prompt_ids: torch.LongTensor) -> None:
         prompt_ids = prompt_ids.to(self.device)
         if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
             keep = torch.cat([
@@ -112,9 +99,6 @@ class DraftModelDrafter:
         if prompt_ids.shape[1] > 1:
             self._logits(prompt_ids[:, :-1])
         self.num_cached = prompt_ids.shape[1] - 1
-        if self.history is not None:
-            self.history.extend(prompt_ids[0].tolist())
-        return time.perf_counter() - start
 
     def _logits(self, feed: torch.LongTensor) -> torch.Tensor:
         """Draft forward over ``feed`` ([1, n]) appended to the cache; float logits [1, vocab]."""
@@ -122,70 +106,43 @@ class DraftModelDrafter:
             return self.head.forward(feed, self.cache)
         return kv.forward(self.model, feed, self.cache, num_logits=1)[:, : self.vocab_size]
 
-    def propose(self, committed_ids: torch.LongTensor, max_tokens: int, keep_drafting: KeepDrafting) -> Proposal:
+    def offer(self, committed_ids: torch.LongTensor, max_depth: int) -> Offer:
+        return Offer(model_tokens=max_depth)
+
+    def propose(self, committed_ids: torch.LongTensor, plan: RoundPlan) -> Proposal:
+        """Up to ``plan.model_tokens`` tokens, each from the draft's processed distribution at its own prefix;
+        ``plan.rule`` (if any) may stop the chain earlier on the confidences so far."""
         start = time.perf_counter()
-        copied = self._lookup(committed_ids, [], leading=True)
-        if copied:  # the history predicts the continuation better than the draft would pay for: no draft forward
-            return self._proposal([], [], copied, start)
         ids = committed_ids.to(self.device)  # [1, L]
         feed = ids[:, self.num_cached:]  # at least the last committed token
-        tokens: list[torch.Tensor] = []
+        tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for position in range(1, max_tokens + 1):
+        confidences: list[float] = []
+        for _ in range(plan.model_tokens):
             logits = self._logits(feed)  # [1, V]
             scores = self.logits_processor(ids, logits) if self.logits_processor else logits
+            draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
             if self.do_sample:
-                draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
-                token = torch.multinomial(draft_probs, 1, generator=self.generator)[0]  # [1]
+                token = torch.multinomial(draft_probs, 1)[0]  # [1]
                 probs.append(draft_probs[0])
-                confidence = float(draft_probs[0, token]) if self.need_confidence else 1.0
             else:
                 token = scores.argmax(dim=-1)  # [1]
-                confidence = float(torch.softmax(scores[0], dim=-1)[token]) if self.need_confidence else 1.0
-            tokens.append(token)
+            confidences.append(float(draft_probs[0, token]))
+            tokens.append(int(token))
             ids = torch.cat([ids, token[None]], dim=1)
             feed = token[None]
-            if not keep_drafting(position, confidence) or position == max_tokens:  # the policy sees every token
+            if plan.rule is not None and not plan.rule.keep_drafting(confidences):
                 break
         # the cache now holds every committed token and every draft token but the last
         self.num_cached = ids.shape[1] - 1
-        return self._proposal(tokens, probs, self._lookup(committed_ids, tokens), start)
+        return Proposal.chain(
+            tokens, [Source("draft", 0, i) for i in range(1, len(tokens) + 1)],
+            torch.stack(probs) if self.do_sample and probs else None,
+            confidences=tuple(confidences), draft_time=time.perf_counter() - start, draft_forwards=len(tokens))
 
-    def _proposal(self, tokens: list[torch.Tensor], probs: list[torch.Tensor], lookup: tuple[int, ...],
-                  start: float) -> Proposal:
-        """Draft tokens followed by prompt-lookup tokens (deterministic drafts: one-hot distributions)."""
-        drafted = len(tokens)
-        for token in lookup:
-            tokens.append(torch.tensor([token], device=self.device))
-            if self.do_sample:
-                probs.append(torch.nn.functional.one_hot(torch.tensor(token), self.vocab_size).float().to(self.device))
-        return Proposal(
-            token_ids=torch.cat(tokens),
-            draft_probs=torch.stack(probs) if self.do_sample else None,
-            draft_time=time.perf_counter() - start,
-            draft_forwards=drafted,
-            num_lookup_tokens=len(lookup),
-        )
-
-    def _lookup(self, committed_ids: torch.LongTensor, drafted: list[torch.Tensor],
-                leading: bool = False) -> tuple[int, ...]:
-        """Prompt-lookup continuation of committed + drafted tokens, as long as the policy says it pays.
-
-        ``leading``: a round of lookup tokens alone, taken only if ``policy.prefer_lookup`` says it beats drafting.
-        """
-        if self.history is None:
-            return ()
-        if len(self.history.tokens) < committed_ids.shape[1]:
-            self.history.extend(committed_ids[0, len(self.history.tokens):].tolist())
-        limit = self.LEADING_LOOKUP if leading else self.free_tokens(len(drafted) + 1, 64)
-        if limit <= 0:
-            return ()
-        found = self.history.continuations(max_len=limit, limit=1, suffix=[int(t) for t in drafted], min_match=2)
-        if not found or (leading and not self.prefer_lookup(len(found[0]))):
-            return ()
-        return found[0]
-
-    def rollback(self, num_valid: int) -> None:
+    def update(self, outcome: RoundOutcome) -> None:
+        """Forget the KV of draft tokens the target rejected (it holds at most the drafted chain)."""
+        num_valid = outcome.start_length + outcome.num_accepted
         if self.num_cached > num_valid:
             kv.rollback(self.cache, num_valid)
             self.num_cached = num_valid
