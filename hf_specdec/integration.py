@@ -24,9 +24,9 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 
 from . import cache as kv
 from .config import LookaheadConfig, SpecConfig
-from .drafters.base import ChainDrafter
+from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.lookahead import LookaheadDrafter
+from .drafters.lookahead import LookaheadDrafter, check_lookahead_supported
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory
@@ -63,7 +63,8 @@ def speculative_generate(
     if draft_model is None:
         raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
     config = _as_config(spec_config, SpecConfig, "spec_config")
-    inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                      spec_streamer)
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
     else:
@@ -72,11 +73,11 @@ def speculative_generate(
         drafter = ChainDrafter(
             DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
                               draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
-                              special_token_ids=_special_token_ids(generation_config)),
-            PromptLookupDrafter() if config.history_lookup else None,
+                              special_token_ids=_special_token_ids(generation_config),
+                              pad_token_id=inputs.pad_token_id),
+            PerRow(PromptLookupDrafter) if config.history_lookup else None,
         )
-    return _run(model, inputs, pad, drafter, make_policy(config), spec_streamer, generation_config,
-                SpecStats(mode="speculative"))
+    return _run(model, inputs, drafter, make_policy(config), spec_streamer, generation_config, "speculative")
 
 
 def lookahead_generate(
@@ -99,10 +100,13 @@ def lookahead_generate(
     if lookahead_memory is not None and not isinstance(lookahead_memory, LookaheadMemory):
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
                          f"{type(lookahead_memory).__name__}.")
-    inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-    drafter = LookaheadDrafter(model, config, memory=lookahead_memory)
-    policy = TreePolicy(config, drafter.memory.estimates)
-    return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="lookahead"))
+    check_lookahead_supported(model)
+    inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                      spec_streamer)
+    memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
+    drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None))
+    return _run(model, inputs, drafter, TreePolicy(config, memory.estimates), spec_streamer, generation_config,
+                "lookahead")
 
 
 # -- shared preparation ---------------------------------------------------------------------------------------------
@@ -151,8 +155,8 @@ def _check_same_family(model, draft_model) -> None:
         raise ValueError("The draft model must be a decoder-only causal LM.")
 
 
-def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
-    """Refuse what the loop cannot do, strip batch-1 left padding, and collect the loop's inputs."""
+def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, streamer):
+    """Refuse what the loop cannot do, and collect the loop's inputs."""
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; this model is encoder-decoder.")
     if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
@@ -161,49 +165,53 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             f"(num_beams={generation_config.num_beams}, num_return_sequences="
             f"{generation_config.num_return_sequences}); set both to 1."
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"hf_specdec decodes one sequence at a time (batch size 1), got batch size {input_ids.shape[0]}. "
-            "Call generate once per prompt, or use plain generate() for batches."
-        )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec needs input_ids, not inputs_embeds.")
     if generation_config.use_cache is False:
         raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    kv.check_cache_supported(cache)
-    if cache is None or cache.get_seq_length() > 0:
-        cache = kv.new_cache(model)
-
-    pad = input_ids[:, :0]
+    kv.check_cache_supported(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    rows = input_ids.shape[0]
+    if rows > 1 and (streamer is not None or output_scores):
+        raise ValueError(
+            f"With a batch of {rows} prompts, rows emit different numbers of tokens per round, so hf_specdec cannot "
+            "stream them or return per-step scores (streamer= / output_scores=True). Drop those, or generate one "
+            "prompt at a time."
+        )
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        num_pad = int((mask[0].cumsum(0) == 0).sum())  # leading zeros
-        if not bool(mask[0, num_pad:].all()):
+    if mask is not None:
+        mask = mask.to(input_ids.device)
+        num_pad = (mask.cumsum(-1) == 0).sum(-1)  # leading zeros per row
+        if not bool((mask.sum(-1) + num_pad == mask.shape[1]).all()):
             raise ValueError("attention_mask has zeros after the first real token; only left padding is supported.")
-        pad, input_ids = input_ids[:, :num_pad], input_ids[:, num_pad:]
-
+        if bool(mask.all()):
+            mask = None
+    pad_token = getattr(generation_config, "_pad_token_tensor", None)
+    if pad_token is None:
+        pad_token = generation_config.pad_token_id
+    pad_token = int(pad_token.reshape(-1)[0]) if isinstance(pad_token, torch.Tensor) else int(pad_token or 0)
     return DecodeInputs(
         target=model,
         input_ids=input_ids,
-        cache=cache,
+        attention_mask=mask,
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
         do_sample=bool(generation_config.do_sample),
-        max_length=int(generation_config.max_length) - pad.shape[1],
+        max_length=int(generation_config.max_length),
         vocab_size=vocab_size(model),
+        pad_token_id=pad_token,
         attention=getattr(model.config, "_attn_implementation", None) or "eager",
-        output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
-    ), pad
+        output_scores=output_scores,
+    )
 
 
-def _run(model, inputs, pad, drafter, policy, streamer, generation_config, stats):
+def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
+    stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]))
     decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
-    sequences, scores = torch.cat([pad, decoded.sequences], dim=1), decoded.scores
     model.last_spec_stats = stats
     if not generation_config.return_dict_in_generate:
-        return sequences
-    return SpecGenerateOutput(sequences=sequences, scores=scores or None, spec_stats=stats)
+        return decoded.sequences
+    return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None, spec_stats=stats)
 
 
 # -- enable(model) --------------------------------------------------------------------------------------------------

@@ -159,51 +159,48 @@ def window_inputs(rows: torch.Tensor) -> ExtraInputs:
 
 
 @dataclass(frozen=True)
-class ForwardInputs:
-    """One target forward over ``L = 1 + w + n`` new tokens: [last token] + extra inputs + trie nodes.
+class RoundLayout:
+    """One row's inputs of a round, ``n = 1 + w + T``: [last token] + extra inputs + trie nodes, relative to the
+    row's next position p (the last token sits at p, extra input i at p + its offset, node i at p + its depth).
 
-    input_ids: [1, L]; position_ids: [1, L], or None for a plain chain (the model continues after its cache);
-    attention_mask: [1, 1, L, past + L] bool (True = attend), or None for a plain chain (causal);
-    logits_index: [R] the inputs whose logits are needed: the last token, each node, then the read inputs
-    (for a plain chain all L inputs, in order); read_rows: [r] where the read inputs' logits sit among those R
-    rows; num_extra: w.
+    input_ids: [n]; offsets: [n] positions after p; inner: [n, n] bool, which of the round's inputs each input
+    sees (True = attend; everybody also sees the row's cache), or None for a plain chain (causal);
+    logits_index: [R] the inputs whose logits are needed: the last token, each node, then the read inputs;
+    read_rows: [r] where the read inputs' logits sit among those R; num_extra: w.
     """
 
     input_ids: torch.Tensor
-    position_ids: torch.Tensor | None
-    attention_mask: torch.Tensor | None
+    offsets: torch.Tensor
+    inner: torch.Tensor | None
     logits_index: torch.Tensor
     read_rows: torch.Tensor
     num_extra: int
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(self.input_ids.shape[0])
 
-    def kept_inputs(self, accepted: Sequence[int]) -> torch.Tensor:
-        """[1 + a] indices of the inputs whose KV the cache keeps: the last token and the accepted nodes."""
-        return torch.tensor([0] + [1 + self.num_extra + node for node in accepted], dtype=torch.long)
+    def kept_inputs(self, accepted: Sequence[int]) -> list[int]:
+        """Indices of the inputs whose KV the cache keeps: the last token and the accepted nodes."""
+        return [0] + [1 + self.num_extra + node for node in accepted]
 
 
 def is_plain_chain(proposal: Proposal) -> bool:
-    """A chain with no extra inputs: the one layout a model needs no mask or positions for."""
+    """A chain with no extra inputs: the one layout a model needs no mask for."""
     no_extra = proposal.extra is None or proposal.extra.num_tokens == 0
     return no_extra and all(parent == node - 1 for node, parent in enumerate(proposal.parents))
 
 
-def forward_inputs(proposal: Proposal, last_token: int, past_length: int,
-                   device: torch.device | str = "cpu") -> ForwardInputs:
-    """Input ids, position ids and the 4-D mask of one round; ``past_length`` tokens are already cached, so the
-    last token sits at position ``p = past_length``, extra input i at ``p + offsets[i]``, node i at
-    ``p + depth(i)``. Node i sees the cache, the last token, its ancestors and itself; extras see the cache, the
-    last token and what their own mask says; the two never see each other.
+def round_layout(proposal: Proposal, last_token: int) -> RoundLayout:
+    """The inputs, position offsets and visibility of one row's round. Node i sees the last token, its ancestors
+    and itself; extras see the last token and what their own mask says; the two never see each other.
 
     >>> from hf_specdec.round import Proposal, Source
     >>> trie = Proposal(tokens=(5, 6, 7), parents=(-1, 0, 0), sources=((Source("pool", 0, 1),),) * 3)
-    >>> step = forward_inputs(trie, last_token=42, past_length=3)
-    >>> step.input_ids.tolist(), step.position_ids.tolist(), step.logits_index.tolist()
-    ([[42, 5, 6, 7]], [[3, 4, 5, 5]], [0, 1, 2, 3])
-    >>> step.attention_mask[0, 0, :, 3:].int().tolist()
+    >>> step = round_layout(trie, last_token=42)
+    >>> step.input_ids.tolist(), step.offsets.tolist(), step.logits_index.tolist()
+    ([42, 5, 6, 7], [0, 1, 2, 2], [0, 1, 2, 3])
+    >>> step.inner.int().tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
     """
     nodes = torch.tensor(proposal.tokens, dtype=torch.long)
@@ -211,8 +208,9 @@ def forward_inputs(proposal: Proposal, last_token: int, past_length: int,
     extra = proposal.extra
     read = extra.read if extra is not None else torch.zeros(0, dtype=torch.long)
     if is_plain_chain(proposal):
-        input_ids = torch.cat([torch.tensor([last_token]), nodes])[None].to(device)
-        return ForwardInputs(input_ids, None, None, torch.arange(1 + num_nodes, device=device), read.to(device), 0)
+        n = 1 + num_nodes
+        return RoundLayout(torch.cat([torch.tensor([last_token]), nodes]), torch.arange(n), None, torch.arange(n),
+                           read, 0)
     extra_ids = extra.token_ids if extra is not None else torch.zeros(0, dtype=torch.long)
     num_extra = int(extra_ids.shape[0])
     total = 1 + num_extra + num_nodes
@@ -230,17 +228,53 @@ def forward_inputs(proposal: Proposal, last_token: int, past_length: int,
     offsets = torch.cat([torch.zeros(1, dtype=torch.long),
                          extra.offsets if extra is not None else torch.zeros(0, dtype=torch.long),
                          torch.tensor(proposal.depths, dtype=torch.long)])
-    input_ids = torch.cat([torch.tensor([last_token]), extra_ids, nodes])
-    mask = torch.cat([torch.ones(total, past_length, dtype=torch.bool), inner], dim=1)
     logits_index = torch.cat([torch.zeros(1, dtype=torch.long), 1 + num_extra + torch.arange(num_nodes), read])
-    return ForwardInputs(
-        input_ids=input_ids[None].to(device),
-        position_ids=(past_length + offsets)[None].to(device),
-        attention_mask=mask[None, None].to(device),
-        logits_index=logits_index.to(device),
-        read_rows=(1 + num_nodes + torch.arange(read.shape[0])).to(device),
-        num_extra=num_extra,
-    )
+    return RoundLayout(torch.cat([torch.tensor([last_token]), extra_ids, nodes]), offsets, inner, logits_index,
+                       1 + num_nodes + torch.arange(read.shape[0]), num_extra)
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The rows' layouts stacked into one forward, each row padded to the longest with inputs nobody sees.
+
+    input_ids / offsets / valid: [B, n] (valid: False for padding); inner: [B, n, n] bool or None when every
+    row is a plain chain (the model's own causal mask then applies).
+    """
+
+    input_ids: torch.Tensor
+    offsets: torch.Tensor
+    valid: torch.Tensor | None
+    inner: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def stack_layouts(layouts: Sequence[RoundLayout], pad_token: int = 0) -> BatchInputs:
+    """Stack rows for one forward. A padding input sits after its row's inputs and sees only itself.
+
+    >>> chain = round_layout(Proposal.chain([5, 6], [Source("draft", 0, 1), Source("draft", 0, 2)]), 4)
+    >>> plain = round_layout(Proposal(), 9)
+    >>> batch = stack_layouts([chain, plain])
+    >>> batch.input_ids.tolist(), batch.valid.tolist(), batch.inner is None
+    ([[4, 5, 6], [9, 0, 0]], [[True, True, True], [True, False, False]], True)
+    """
+    n = max(layout.num_tokens for layout in layouts)
+    rows = len(layouts)
+    input_ids = torch.full((rows, n), pad_token, dtype=torch.long)
+    offsets = torch.arange(n).repeat(rows, 1)
+    valid = torch.zeros(rows, n, dtype=torch.bool)
+    trees = any(layout.inner is not None for layout in layouts)
+    inner = torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1) if trees else None
+    for row, layout in enumerate(layouts):
+        m = layout.num_tokens
+        input_ids[row, :m] = layout.input_ids
+        offsets[row, :m] = layout.offsets
+        valid[row, :m] = True
+        if inner is not None:
+            inner[row, :m, :m] = layout.inner if layout.inner is not None else torch.ones(m, m).tril().bool()
+    return BatchInputs(input_ids, offsets, None if bool(valid.all()) else valid, inner)
 
 
 def to_model_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:

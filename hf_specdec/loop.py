@@ -1,18 +1,20 @@
-"""The single decoding loop every mode shares.
+"""The single decoding loop every mode shares, for one prompt or a batch of them.
 
-    prefill the target, emit its first token, prefill the drafter
-    repeat until a stop:
-      1. offer     the drafter says what it could propose (``round.Offer``)
-      2. plan      the policy sizes the round (``round.RoundPlan``; nothing in it = a plain step)
-      3. propose   the drafter makes the ``Proposal``: a trie of guesses (a chain is a trie with one path)
-      4. forward   one target forward over [last token, extra inputs, guesses] (``layout.forward_inputs``)
-      5. verify    logits processors at every node, each with its own prefix; ``verify.py`` picks the path
-      6. keep      the cache keeps the accepted path's KV only (``cache.keep``: a crop for a chain)
-      7. emit      the round's tokens are cut at the first stop, streamed and appended
-      8. learn     one ``RoundOutcome`` to ``stats.record``, ``policy.observe`` and ``drafter.update``
+    prefill the target over the (left-padded) prompts, emit each row's first token, prefill the drafter
+    repeat until every row has stopped:
+      1. offer     the drafter says, per row, what it could propose (``round.Offer``)
+      2. plan      the policy sizes each row's round (``round.RoundPlan``; nothing in it = a plain step)
+      3. propose   the drafter makes each row's ``Proposal``: a trie of guesses (a chain is a trie with one path)
+      4. forward   one target forward over every row's [last token, extra inputs, guesses] (``layout.py``), each
+                   row at its own positions, seeing its own cache (``cache.RowCache``)
+      5. verify    logits processors at every node, each with its own prefix; ``verify.py`` picks each row's path
+      6. keep      the cache keeps each row's accepted path only (a crop for one row's chain)
+      7. emit      each row's tokens are cut at its first stop, streamed (one row) and appended
+      8. learn     one ``RoundOutcome`` per row to ``stats.record``, ``policy.observe`` and ``drafter.update``;
+                   rows that stopped leave the batch
 
-The invariant between rounds: the target cache holds every committed token except the last one, which is the
-first input of the next forward.
+The invariant between rounds: each row's cache holds its committed tokens except the last one, which is the
+first input of its next forward; its positions are those plain ``generate`` gives (``cumsum(mask) - 1``).
 
 Out of memory in the drafter, or while verifying guesses, frees the drafter and finishes with plain decoding
 from the tokens already committed: nothing is lost, nothing is repeated.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -31,9 +33,9 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from . import cache as kv
 from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
-from .layout import forward_inputs, to_model_mask
+from .layout import round_layout, stack_layouts
 from .policy import Policy
-from .round import Proposal, RoundOutcome
+from .round import Proposal, RoundOutcome, RowView
 from .stats import SpecStats
 from .stopping import Emitter, cut_at_stop
 from .verify import verify
@@ -46,22 +48,42 @@ class DecodeInputs:
     """Everything the loop needs, prepared by ``integration.py``."""
 
     target: object  # the target model (PreTrainedModel)
-    input_ids: torch.LongTensor  # [1, L] prompt
-    cache: object  # the target's cache (empty)
+    input_ids: torch.LongTensor  # [B, P] prompts, left-padded
+    attention_mask: torch.Tensor | None  # [B, P], 0 for padding, or None (no padding)
     logits_processor: LogitsProcessorList
     stopping_criteria: StoppingCriteriaList
     do_sample: bool
-    max_length: int  # the sequence may not grow past this (prompt included)
+    max_length: int  # a row may not grow past this (padded prompt included), as in generate
     vocab_size: int  # shared vocabulary (target and draft may be padded differently)
+    pad_token_id: int = 0  # fills a row after it stopped (and pads draft inputs)
     attention: str = "sdpa"  # the target's attention implementation (how a 4-D mask is given to it)
     output_scores: bool = False
 
 
 @dataclass
 class Decoded:
-    sequences: torch.LongTensor  # [1, L + new]
+    sequences: torch.LongTensor  # [B, P + new], rows that stopped early padded with pad_token_id
     stats: SpecStats
-    scores: tuple[torch.Tensor, ...]  # processed scores [1, V] of each emitted token, if asked
+    scores: tuple[torch.Tensor, ...]  # processed scores [1, V] of each emitted token (one row), if asked
+
+
+@dataclass
+class _Row:
+    """One row's decoding state: its padded prompt, what it emitted, whether it stopped."""
+
+    row: int
+    prompt: torch.LongTensor  # [P] as given, padding included
+    unpadded: torch.LongTensor  # [L0] without padding
+    new: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def padded(self) -> torch.LongTensor:
+        """[1, P + n]: what plain generate's processors and stopping criteria see."""
+        return torch.cat([self.prompt, torch.tensor(self.new, dtype=torch.long)])[None]
+
+    def view(self, max_length: int) -> RowView:
+        ids = torch.cat([self.unpadded, torch.tensor(self.new, dtype=torch.long)])
+        return RowView(self.row, ids, max_length - (self.prompt.shape[0] + len(self.new)) - 1)
 
 
 def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecStats, streamer=None) -> Decoded:
@@ -69,48 +91,56 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     emitter, scores_out = Emitter(streamer), []
     start = time.perf_counter()
     emitter.prompt(inputs.input_ids)
-    ids, stop = _prefill(inputs, emitter, scores_out)
-    stats.record_prefill(time.perf_counter() - start, emitted=ids.shape[1] - inputs.input_ids.shape[1])
-    drafter = _guarded(drafter.prefill, ids, drafter, stats) if not stop else drafter
+    cache = kv.RowCache(inputs.target, inputs.attention)
+    rows = _rows(inputs)
+    _prefill(inputs, cache, rows, emitter, scores_out)
+    stats.record_prefill(time.perf_counter() - start, emitted=len(rows))
+    active = _leave(cache, rows)
+    if active:
+        drafter = _guarded(drafter.prefill, [row.view(inputs.max_length) for row in active], drafter, stats)
 
-    while not stop:
-        length = ids.shape[1]
-        budget = inputs.max_length - length - 1  # room for the guesses plus the recovered/bonus token
+    while active:
+        views = [row.view(inputs.max_length) for row in active]
         # 1-3. offer, plan, propose
         try:
-            offer = drafter.offer(ids, budget)
-            proposal = drafter.propose(ids, policy.plan(budget, offer))
+            proposals = drafter.propose(views, policy.plan(views, drafter.offer(views)))
         except Exception as error:  # noqa: BLE001 - only out of memory is handled, the rest re-raised
             drafter = _drop_drafter(error, drafter, stats)
             continue
         # 4-6. forward, verify, keep
         try:
-            outcome, scores = _verify_round(inputs, ids, proposal)
+            outcomes, scores = _verify_round(inputs, cache, active, views, proposals)
         except Exception as error:  # noqa: BLE001 - only out of memory with guesses is handled
-            if not proposal.num_tokens and proposal.extra is None:
+            if not any(p.num_tokens or p.extra is not None for p in proposals):
                 raise
-            kv.rollback(inputs.cache, length - 1)  # repair the cache, redo this round as a plain step
+            cache.discard()  # repair the cache, redo this round as a plain step
             drafter = _drop_drafter(error, drafter, stats)
             continue
         # 7. emit
-        new_tokens = torch.tensor([proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token])
-        ids, stop = _emit(inputs, emitter, scores_out, ids, new_tokens, scores, outcome.num_accepted)
-        outcome = _with_emitted(outcome, ids[0, length:])
+        outcomes = [_emit(inputs, emitter, scores_out, row, outcome, row_scores)
+                    for row, outcome, row_scores in zip(active, outcomes, scores)]
         # 8. learn
-        stats.record(outcome)
-        policy.observe(outcome)
-        drafter.update(outcome)
+        stats.record(outcomes)
+        policy.observe(outcomes)
+        drafter.update(outcomes)
+        active = _leave(cache, active)
 
     emitter.end()
     stats.total_time_s = time.perf_counter() - start
     drafter.release()
-    return Decoded(ids, stats, tuple(scores_out))
+    return Decoded(_sequences(rows, inputs.pad_token_id), stats, tuple(scores_out))
 
 
-def _prefill(inputs: DecodeInputs, emitter: Emitter, scores_out: list) -> tuple[torch.LongTensor, bool]:
-    """The target reads the whole prompt and emits one token."""
+def _rows(inputs: DecodeInputs) -> list[_Row]:
+    mask = inputs.attention_mask
+    return [_Row(r, inputs.input_ids[r], inputs.input_ids[r] if mask is None else inputs.input_ids[r, mask[r].bool()])
+            for r in range(inputs.input_ids.shape[0])]
+
+
+def _prefill(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], emitter: Emitter, scores_out: list) -> None:
+    """The target reads the whole prompts and emits one token per row."""
     try:
-        logits = kv.forward(inputs.target, inputs.input_ids, inputs.cache, num_logits=1)[:, : inputs.vocab_size]
+        logits = cache.prefill(inputs.input_ids, inputs.attention_mask)[:, 0, : inputs.vocab_size]  # [B, V]
     except Exception as error:  # noqa: BLE001 - re-raised, with advice when it is out of memory
         if is_out_of_memory(error):
             raise RuntimeError(
@@ -118,48 +148,66 @@ def _prefill(inputs: DecodeInputs, emitter: Emitter, scores_out: list) -> tuple[
                 "smaller target or a lower precision (dtype='auto' picks bf16/fp16 where supported)."
             ) from error
         raise
-    scores = _process(inputs, inputs.input_ids, Proposal(), logits)  # [1, V]
-    first = verify((), (), None, scores, inputs.do_sample).next_token
-    return _emit(inputs, emitter, scores_out, inputs.input_ids, torch.tensor([first]), scores, 0)
+    for row in rows:
+        scores = _process(inputs, row.padded(), Proposal(), logits[row.row: row.row + 1])  # [1, V]
+        first = verify((), (), None, scores, inputs.do_sample).next_token
+        _emit(inputs, emitter, scores_out, row, None, scores, tokens=[first])
 
 
-def _verify_round(inputs: DecodeInputs, ids: torch.LongTensor, proposal: Proposal):
-    """Steps 4-6: one forward over the round's inputs, processors, verification, and the cache keeps the last
-    token and the accepted path (their KV computed in this forward, not recomputed).
+def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], views: list[RowView],
+                  proposals: list[Proposal]):
+    """Steps 4-6 for every row at once: one forward over the stacked rounds, processors, verification, and the
+    cache keeps each row's last token and accepted path (their KV computed in this forward, not recomputed).
 
-    Returns (outcome without its emitted tokens, processed scores of the emitted tokens [1 + a, V]).
+    Returns (per row, the outcome without its emitted tokens; per row, processed scores [1 + a, V] of the
+    tokens it would emit).
     """
     start = time.perf_counter()
-    past = ids.shape[1] - 1  # the cache holds every committed token but the last, which is input 0
-    step = forward_inputs(proposal, int(ids[0, -1]), past, device=ids.device)
-    mask = None if step.attention_mask is None else to_model_mask(
-        step.attention_mask, inputs.attention, next(inputs.target.parameters()).dtype)
-    num_logits = step.num_tokens if step.attention_mask is None else step.logits_index
-    logits = kv.forward(inputs.target, step.input_ids, inputs.cache, num_logits=num_logits,
-                        position_ids=step.position_ids, attention_mask=mask)[:, : inputs.vocab_size]  # [R, V]
-    num_rows = 1 + proposal.num_tokens
-    scores = _process(inputs, ids, proposal, logits[:num_rows])  # [1 + T, V]
-    verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, scores, inputs.do_sample)
-    kv.keep(inputs.cache, past, step.kept_inputs(verdict.accepted))
-    extra_next = top_inputs = top_next = None
-    if proposal.extra is not None:
-        extra_next = logits[step.read_rows].argmax(dim=-1)  # [r]
-    if proposal.top_k:
-        computed = torch.cat([torch.arange(num_rows, device=logits.device), step.read_rows])
-        top_inputs = step.input_ids[0, step.logits_index[computed]]  # [R]
-        top_next = logits[computed].topk(proposal.top_k, dim=-1).indices  # [R, K]
-    outcome = RoundOutcome(
-        proposal=proposal, accepted=verdict.accepted, next_token=verdict.next_token, emitted=(),
-        start_length=ids.shape[1], forward_tokens=step.num_tokens, verify_time=time.perf_counter() - start,
-        extra_next=extra_next, top_inputs=top_inputs, top_next=top_next)
-    return outcome, scores[[0] + [1 + node for node in verdict.accepted]]
+    layouts = [round_layout(proposal, int(view.ids[-1])) for view, proposal in zip(views, proposals)]
+    batch = stack_layouts(layouts, inputs.pad_token_id)
+    # logits only where some row reads them (a window's inner inputs are never read): their union over the rows
+    needed = torch.unique(torch.cat([layout.logits_index for layout in layouts]))  # sorted
+    where = torch.full((batch.input_ids.shape[1],), -1, dtype=torch.long)
+    where[needed] = torch.arange(needed.shape[0])
+    full = needed.shape[0] == batch.input_ids.shape[1]
+    logits = cache.forward(batch, num_logits=needed.shape[0] if full else needed)  # [B, |needed|, V]
+    logits = logits[..., : inputs.vocab_size]
+    indices = [where[layout.logits_index].to(logits.device) for layout in layouts]  # per row: [R] into logits
+    verdicts, scores, kept = [], [], []
+    for i, (row, layout, proposal) in enumerate(zip(rows, layouts, proposals)):
+        row_logits = logits[i, indices[i]]  # [R, V]
+        num_rows = 1 + proposal.num_tokens
+        row_scores = _process(inputs, row.padded(), proposal, row_logits[:num_rows])  # [1 + T, V]
+        verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
+        verdicts.append(verdict)
+        scores.append(row_scores[[0] + [1 + node for node in verdict.accepted]])
+        kept.append(layout.kept_inputs(verdict.accepted))
+    cache.keep(kept)
+    seconds = time.perf_counter() - start
+    outcomes = []
+    for i, (view, layout, proposal, verdict) in enumerate(zip(views, layouts, proposals, verdicts)):
+        row_logits = logits[i, indices[i]]
+        extra_next = top_inputs = top_next = None
+        if proposal.extra is not None:
+            extra_next = row_logits[layout.read_rows.to(logits.device)].argmax(dim=-1)  # [r]
+        if proposal.top_k:
+            computed = torch.cat([torch.arange(1 + proposal.num_tokens), layout.read_rows])
+            top_inputs = layout.input_ids[layout.logits_index[computed]]  # [R]
+            top_next = row_logits[computed.to(logits.device)].topk(proposal.top_k, dim=-1).indices  # [R, K]
+        outcomes.append(RoundOutcome(
+            proposal=proposal, accepted=verdict.accepted, next_token=verdict.next_token, emitted=(),
+            start_length=view.ids.shape[0], forward_tokens=batch.num_tokens, verify_time=seconds,
+            extra_next=extra_next, top_inputs=top_inputs, top_next=top_next, row=view.row, rows=len(views)))
+    return outcomes, scores
 
 
 def _process(inputs: DecodeInputs, ids: torch.LongTensor, proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
     """Logits processors after the last token (row 0) and after every node (row 1 + i), each with its own
-    prefix: the committed tokens and the node's path. [1 + T, V] -> [1 + T, V]."""
+    prefix: the row's committed tokens (``ids``: [1, L], padding included) and the node's path.
+    [1 + T, V] -> [1 + T, V]."""
     if not inputs.logits_processor:
         return logits
+    ids = ids.to(logits.device)
     rows = [inputs.logits_processor(ids, logits[0:1])]
     for node in range(proposal.num_tokens):
         path = torch.tensor([[proposal.tokens[n] for n in proposal.path(node)]], dtype=torch.long, device=ids.device)
@@ -167,25 +215,41 @@ def _process(inputs: DecodeInputs, ids: torch.LongTensor, proposal: Proposal, lo
     return torch.cat(rows, dim=0)
 
 
-def _emit(inputs, emitter, scores_out, ids, new_tokens, scores, num_accepted):
-    """Cut the round's tokens at the first stop, stream them, append them. Returns (ids, stop)."""
-    new_tokens = new_tokens.to(ids.device)
-    new_tokens, stop = cut_at_stop(ids, new_tokens, inputs.stopping_criteria)
-    emitter.round(new_tokens, num_accepted)
+def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, scores, tokens=None):
+    """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
+    if tokens is None:
+        tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
+    ids = row.padded()
+    new_tokens, stop = cut_at_stop(ids, torch.tensor(tokens, dtype=torch.long), inputs.stopping_criteria)
+    emitter.round(new_tokens, outcome.num_accepted if outcome is not None else 0)
     if inputs.output_scores:
         scores_out.extend(scores[i: i + 1] for i in range(new_tokens.shape[0]))
-    ids = torch.cat([ids, new_tokens[None]], dim=1)
-    return ids, stop or ids.shape[1] >= inputs.max_length
+    row.new.extend(new_tokens.tolist())
+    row.done = stop or row.prompt.shape[0] + len(row.new) >= inputs.max_length
+    if outcome is None:
+        return None
+    return dataclasses.replace(outcome, emitted=tuple(new_tokens.tolist()), finished=row.done)
 
 
-def _with_emitted(outcome: RoundOutcome, emitted: torch.LongTensor) -> RoundOutcome:
-    return dataclasses.replace(outcome, emitted=tuple(emitted.tolist()))
+def _leave(cache: kv.RowCache, rows: list[_Row]) -> list[_Row]:
+    """The rows still decoding; the cache forgets the others."""
+    active = [i for i, row in enumerate(rows) if not row.done]
+    if len(active) < len(rows) and active:
+        cache.select_rows(active)
+    return [rows[i] for i in active]
 
 
-def _guarded(step, ids, drafter, stats):
+def _sequences(rows: list[_Row], pad_token_id: int) -> torch.LongTensor:
+    """[B, P + longest]: each row's prompt and tokens, padded after a row that stopped early."""
+    longest = max(len(row.new) for row in rows)
+    return torch.stack([torch.cat([row.prompt, torch.tensor(row.new + [pad_token_id] * (longest - len(row.new)),
+                                                           dtype=torch.long)]) for row in rows])
+
+
+def _guarded(step, views, drafter, stats):
     """Run a drafter step; out of memory drops the drafter (returned: the drafter to go on with)."""
     try:
-        step(ids)
+        step(views)
     except Exception as error:  # noqa: BLE001 - only out of memory is handled, the rest re-raised
         return _drop_drafter(error, drafter, stats)
     return drafter

@@ -1,10 +1,16 @@
 """Every sizing decision: how many tokens to draft, when to stop drafting, how many lookup tokens, which trie
 nodes, how wide the Jacobi window. The policy answers one question per round and learns from every round:
 
-- ``plan(budget, offer) -> RoundPlan``: the sizes of this round (``round.py``), from what the drafter offers
-  and what was measured; a plan with nothing in it is a plain target step (speculation off);
-- ``observe(outcome)``: what the round cost and what the target kept (the same ``RoundOutcome`` the stats and
-  the drafter get).
+- ``plan(views, offers) -> [RoundPlan]``: the sizes of this round for each row of the batch (``round.py``), from
+  what the drafter offers and what was measured; a plan with nothing in it is a plain target step (speculation
+  off);
+- ``observe(outcomes)``: what the round cost and what the target kept in each row (the same ``RoundOutcome``s
+  the stats and the drafter get).
+
+With B rows in a batch, every forward reads all of them: a round of n inputs per row costs t(B n), which grows
+with B much sooner than with n alone, so every rule below prices a row's guesses at t(B n) (for one row,
+t(n)) and the draft model's step at t_d of the batched draft forward. The acceptance estimates are shared by
+the rows (they are drawn from one text distribution).
 
 Policies:
 
@@ -60,25 +66,28 @@ from typing import Callable, Protocol, Sequence
 from .config import LookaheadConfig, SpecConfig
 from .costmodel import DecayedAcceptance, Estimates, best_count, prefix_gains
 from .layout import merge_candidates
-from .round import Candidate, Offer, RoundOutcome, RoundPlan
+from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView
 
 PLAIN = RoundPlan()
 
 
 class Policy(Protocol):
-    def plan(self, budget: int, offer: Offer) -> RoundPlan:
-        """The sizes of the next round; ``budget``: the most tokens it may propose."""
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        """The sizes of each row's next round (``view.budget``: the most tokens it may propose)."""
 
-    def observe(self, outcome: RoundOutcome) -> None:
-        """Learn from one round."""
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """Learn from one round: one outcome per row."""
 
 
-def judged_slots(outcome: RoundOutcome, kind: str) -> list[tuple[int, bool]]:
-    """(position, kept) of every judged token offered by a source of this ``kind`` (see ``Source``)."""
-    kept, judged = set(outcome.accepted), outcome.judged()
-    return [(source.position, node in kept)
-            for node, sources in enumerate(outcome.proposal.sources) if judged[node]
-            for source in sources if source.kind == kind]
+def judged_slots(outcomes: Sequence[RoundOutcome], kind: str) -> list[tuple[int, bool]]:
+    """(position, kept) of every judged token offered by a source of this ``kind`` (see ``Source``), all rows."""
+    slots = []
+    for outcome in outcomes:
+        kept, judged = set(outcome.accepted), outcome.judged()
+        slots += [(source.position, node in kept)
+                  for node, sources in enumerate(outcome.proposal.sources) if judged[node]
+                  for source in sources if source.kind == kind]
+    return slots
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,22 +99,26 @@ class FixedPolicy:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def plan(self, budget: int, offer: Offer) -> RoundPlan:
-        return RoundPlan(model_tokens=min(self.k, budget, offer.model_tokens), max_tokens=budget)
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        return [RoundPlan(model_tokens=min(self.k, view.budget, offer.model_tokens), max_tokens=view.budget)
+                for view, offer in zip(views, offers)]
 
-    def observe(self, outcome: RoundOutcome) -> None:
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         pass
 
 
 class HeuristicPolicy(FixedPolicy):
+    """+2 after a round in which every row kept all it drafted, else -1 (one k for the batch)."""
+
     def __init__(self, k: int, max_k: int) -> None:
         super().__init__(k)
         self.max_k = max_k
 
-    def observe(self, outcome: RoundOutcome) -> None:
-        if not outcome.proposal.draft_forwards:
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        drafted = [outcome for outcome in outcomes if outcome.proposal.draft_forwards]
+        if not drafted:
             return
-        all_kept = outcome.num_accepted == outcome.proposal.num_tokens
+        all_kept = all(outcome.num_accepted == outcome.proposal.num_tokens for outcome in drafted)
         self.k = min(self.max_k, self.k + 2) if all_kept else max(1, self.k - 1)
 
 
@@ -179,6 +192,7 @@ class AdaptivePolicy:
 
     def __init__(self, config: SpecConfig, estimates: Estimates | None = None) -> None:
         self.config = config
+        self.rows = 1  # rows in the batch this round: a forward over n inputs per row reads rows * n
         self.max_k = config.max_draft_tokens
         self.estimates = estimates if estimates is not None else Estimates()
         # P(draft position i accepted | the ones before were): Beta(2, 1) prior; lookup tokens: Beta(1, 1)
@@ -191,7 +205,8 @@ class AdaptivePolicy:
 
     # -- estimates ----------------------------------------------------------------------------------------------
     def _t(self, n: int, extrapolate: bool = False) -> float | None:
-        return self.estimates.forward.estimate(n, extrapolate)
+        """Seconds of a forward over n inputs per row (every row's)."""
+        return self.estimates.forward.estimate(self.rows * n, extrapolate)
 
     def _draft_round_seconds(self, k: int) -> float | None:
         """T(k) = k t_d + t(k + 1); None while either is unmeasured."""
@@ -227,45 +242,64 @@ class AdaptivePolicy:
         )
 
     # -- decisions ----------------------------------------------------------------------------------------------
-    def plan(self, budget: int, offer: Offer) -> RoundPlan:
-        room, budget = budget, min(budget, self.max_k, offer.model_tokens)
-        if budget <= 0 or not self.estimates.forward.measured(1):  # a plain step first: the reference of all
-            return PLAIN
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        self.rows = len(views)
+        room = [view.budget for view in views]
+        budget = min(self.max_k, max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
+        k = self._draft_length(budget)
+        if k == 0:
+            return [PLAIN] * len(views)
         if self.estimates.draft_step.value is None:  # t_d unknown: draft the starting k once, measure it
-            return RoundPlan(model_tokens=min(self.config.num_draft_tokens, budget), max_tokens=room)
+            return [RoundPlan(model_tokens=min(k, r), max_tokens=r) for r in room]
+        rule, plans = self.rule(), []
+        for view, offer in zip(views, offers):
+            leading = next((c for c in offer.candidates if c.source == ("lookup", 0)), None)
+            if (self.config.history_lookup and leading is not None
+                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]))):
+                plans.append(RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
+                                       max_tokens=view.budget))
+            else:
+                plans.append(RoundPlan(model_tokens=min(k, view.budget, offer.model_tokens), max_tokens=view.budget,
+                                       rule=rule))
+        return plans
+
+    def _draft_length(self, budget: int) -> int:
+        """The most draft-model tokens this round: 0 (a plain step) while t(1) or the draft's worth is unknown
+        or does not pay; with ``confidence_stop`` the cap (the in-round rule decides), else k*."""
+        if budget <= 0 or not self.estimates.forward.measured(self.rows):  # a plain step first: the reference
+            return 0
+        if self.estimates.draft_step.value is None:
+            return min(self.config.num_draft_tokens, budget)
         gains = prefix_gains(self.draft.rates(budget))
         best_k = best_count(gains, self._draft_round_seconds, budget)
-        if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval and budget >= 1:
+        if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval:
             best_k = 1 + best_count(gains[1:], lambda n: self._draft_round_seconds(n + 1), budget - 1,
                                     base=1 + gains[0])  # probe: the best round that drafts at all
         if best_k == 0:
-            return PLAIN
-        leading = next((c for c in offer.candidates if c.source == ("lookup", 0)), None)
-        if (self.config.history_lookup and leading is not None
-                and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]))):
-            return RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
-                             max_tokens=room)
+            return 0
         # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which sees
         # each token's confidence, decides where it stops
-        return RoundPlan(model_tokens=budget if self.config.confidence_stop else best_k, max_tokens=room,
-                         rule=self.rule())
+        return budget if self.config.confidence_stop else best_k
 
     # -- learning -----------------------------------------------------------------------------------------------
-    def observe(self, outcome: RoundOutcome) -> None:
-        proposal = outcome.proposal
-        self.estimates.forward.observe(outcome.forward_tokens, outcome.verify_time)
-        lookup = judged_slots(outcome, "lookup")
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        first = outcomes[0]
+        self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        lookup = judged_slots(outcomes, "lookup")
         if lookup:
             self.lookup.observe_slots(lookup)
-        if not proposal.draft_forwards:
+        forwards = max(outcome.proposal.draft_forwards for outcome in outcomes)
+        if not forwards:
             self.plain_rounds_in_a_row += 1
             return
         self.plain_rounds_in_a_row = 0
-        self.estimates.draft_step.update(proposal.draft_time / proposal.draft_forwards)
-        drafted = judged_slots(outcome, "draft")
-        self.draft.observe_slots(drafted)
-        bins = [(min(int(c * self.NUM_BINS), self.NUM_BINS - 1) + 1, kept)
-                for c, (_, kept) in zip(proposal.confidences, drafted)]
+        self.estimates.draft_step.update(sum(outcome.proposal.draft_time for outcome in outcomes) / forwards)
+        self.draft.observe_slots(judged_slots(outcomes, "draft"))
+        bins = []
+        for outcome in outcomes:
+            drafted = judged_slots([outcome], "draft")
+            bins += [(min(int(c * self.NUM_BINS), self.NUM_BINS - 1) + 1, kept)
+                     for c, (_, kept) in zip(outcome.proposal.confidences, drafted)]
         self.calibration.observe_slots(bins)
 
 
@@ -375,6 +409,7 @@ class TreePolicy:
     def __init__(self, config: LookaheadConfig, estimates: Estimates) -> None:
         self.config = config
         self.estimates = estimates
+        self.rows = 1  # rows in the batch this round
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
 
@@ -383,16 +418,24 @@ class TreePolicy:
                                      slots=self.config.max_depth)
 
     def _seconds(self, num_tokens: int) -> float:
-        return self.estimates.forward.estimate(num_tokens) or 0.0
+        """Seconds of a forward over ``num_tokens`` inputs per row (every row's)."""
+        return self.estimates.forward.estimate(self.rows * num_tokens) or 0.0
 
-    def plan(self, budget: int, offer: Offer) -> RoundPlan:
-        config, cost = self.config, self.estimates.forward
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        self.rows = len(views)
         self.rounds += 1
-        if not cost.measured(1):  # measure a one-token step first: every other size is compared to it
+        if not self.estimates.forward.measured(self.rows):  # a plain step first: every other size is compared to it
             self.last_plain_round = self.rounds
-            return PLAIN
+            return [PLAIN] * len(views)
+        plans = [self._plan_row(view.budget, offer) for view, offer in zip(views, offers)]
+        if all(plan.is_plain for plan in plans):
+            self.last_plain_round = self.rounds
+        return plans
+
+    def _plan_row(self, budget: int, offer: Offer) -> RoundPlan:
+        config, cost = self.config, self.estimates.forward
         # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
-        limit = min(config.max_forward_tokens, max(8, 2 * cost.largest))
+        limit = min(config.max_forward_tokens, max(8, 2 * cost.largest // self.rows))
         candidates = tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
         if config.max_candidates == "auto":
             ranked = rank_prefixes([(c.tokens, self.acceptance(c.source).rates(len(c.tokens))) for c in candidates])
@@ -411,8 +454,6 @@ class TreePolicy:
             extra = free_extra_tokens(self._seconds, used, limit - used, worth)
             if used == 1 and self.rounds - self.last_plain_round >= config.remeasure_interval:
                 extra = 0  # nothing to verify: a plain step, which keeps t(1), the reference of every size, fresh
-            if used + extra == 1:
-                self.last_plain_round = self.rounds
             window, ngram = window_shape(extra)
             if config.ngram != "auto":
                 ngram = config.ngram
@@ -425,21 +466,26 @@ class TreePolicy:
             window, ngram = 1, 2  # the window would run past the position table
         return RoundPlan(max_tokens=budget, candidates=chosen, window=(window, ngram))
 
-    def observe(self, outcome: RoundOutcome) -> None:
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Learn each source's acceptance per depth, what the pool adds, tokens per round, and the cost."""
+        first = outcomes[0]
+        self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        by_source: dict[tuple[str, int], list[tuple[int, bool]]] = {}
+        for outcome in outcomes:
+            self._observe_row(outcome, by_source)
+        for key, slots in by_source.items():
+            self.acceptance(key).observe_slots(slots)
+
+    def _observe_row(self, outcome: RoundOutcome, by_source: dict) -> None:
         proposal = outcome.proposal
-        self.estimates.forward.observe(outcome.forward_tokens, outcome.verify_time)
         if not proposal.num_tokens:
             return
         self.estimates.ema("round_tokens").update(len(outcome.emitted))
         kept, judged = set(outcome.accepted), outcome.judged()
-        by_source: dict[tuple[str, int], list[tuple[int, bool]]] = {}
         for node, sources in enumerate(proposal.sources):
             if judged[node]:
                 for source in sources:
                     by_source.setdefault(source.key, []).append((source.position, node in kept))
-        for key, slots in by_source.items():
-            self.acceptance(key).observe_slots(slots)
         # tokens only the pool offered: how deep the accepted path goes with a pool source vs with any other
         depth_by = {True: 0, False: 0}
         for depth, node in enumerate(outcome.accepted, start=1):

@@ -25,6 +25,17 @@ from typing import NamedTuple, Protocol, Sequence
 import torch
 
 
+@dataclass(frozen=True)
+class RowView:
+    """One row of the batch as drafters and policies see it: ``row``, its index in the caller's batch; ``ids``:
+    [L] its committed tokens without padding (prompt + emitted); ``budget``: the most tokens its next proposal
+    may hold (the room left before the length limit)."""
+
+    row: int
+    ids: torch.Tensor
+    budget: int
+
+
 class Source(NamedTuple):
     """Where a guess came from, which is what its acceptance is learned by.
 
@@ -190,7 +201,8 @@ class RoundOutcome:
     cost is learned by this count); verify_time: seconds of forward + processing + verification;
     extra_next: [r] the target's choice after each read extra input; top_inputs: [R] the inputs whose top
     choices were computed (the last token, the nodes, the read extras) and top_next: [R, K] those choices
-    (both None unless the proposal asked for ``top_k``).
+    (both None unless the proposal asked for ``top_k``); row: the row's index in the caller's batch; finished:
+    the row stopped this round (EOS, a stop string, a criterion or the length limit); rows: rows in the forward.
     """
 
     proposal: Proposal
@@ -203,6 +215,9 @@ class RoundOutcome:
     extra_next: torch.Tensor | None = None
     top_inputs: torch.Tensor | None = None
     top_next: torch.Tensor | None = None
+    row: int = 0
+    finished: bool = False
+    rows: int = 1
 
     @property
     def num_accepted(self) -> int:

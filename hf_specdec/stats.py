@@ -2,9 +2,10 @@
 
 Definitions, used the same way by the loop, the eval harness and the demo:
 
-- round: one target forward that emits tokens. The prefill is round 0 (it emits the first token), every later
-  target forward is one round, whether it verified draft tokens (a speculative round) or not (a plain round,
-  k = 0, "speculation off").
+- round: one target forward that emits tokens, for one row. The prefill is round 0 (it emits the first token),
+  every later target forward is one round, whether it verified draft tokens (a speculative round) or not (a
+  plain round, k = 0, "speculation off"). With a batch of B rows a forward is B rounds (row-rounds);
+  ``forwards`` counts the forwards themselves.
 - drafted / accepted: draft tokens sent to the target for verification (every node of a trie) / kept by it
   (see ``verify.py``). A round's draft length is the depth of its trie (a chain's length).
 - mean accepted length: ``new_tokens / rounds`` = tokens emitted per target forward, bonus/recovered token
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .round import RoundOutcome
 
@@ -29,7 +30,9 @@ from .round import RoundOutcome
 @dataclass
 class SpecStats:
     mode: str = "speculative"
-    rounds: int = 0
+    rows: int = 1  # prompts decoded together (the batch size)
+    rounds: int = 0  # row-rounds: each target forward counts once per row it decoded
+    forwards: int = 0  # target forwards after the prefill
     new_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -52,15 +55,25 @@ class SpecStats:
     # -- recording ------------------------------------------------------------------------------------------
     def record_prefill(self, seconds: float, emitted: int) -> None:
         """Round 0: the target read the prompt and emitted its first token(s) in ``seconds``."""
-        self.rounds += 1
+        self.rounds += self.rows
         self.new_tokens += emitted
         self.prefill_time_s += seconds
         self.ttft_s = seconds if self.ttft_s is None else self.ttft_s
-        self.round_log.append((0, emitted))
+        self.round_log.extend([(0, 1)] * self.rows)
 
-    def record(self, outcome: RoundOutcome) -> None:
-        """One round (see ``round.RoundOutcome``). Drafted = the proposal's tokens (trie nodes); a round's draft
-        length is its deepest path; positions are depths; lookup tokens are those no draft model produced."""
+    def record(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """One round: one target forward over every active row (see ``round.RoundOutcome``). Per row: drafted =
+        its proposal's tokens (trie nodes), its draft length is its deepest path, positions are depths, lookup
+        tokens are those no draft model produced. A round of B rows counts B row-rounds in ``rounds``."""
+        first = outcomes[0]
+        self.forwards += 1
+        self.verify_time_s += first.verify_time
+        self.verify_time_by_tokens.setdefault(first.forward_tokens, []).append(first.verify_time)
+        self.draft_forwards += max(outcome.proposal.draft_forwards for outcome in outcomes)
+        for outcome in outcomes:
+            self._record_row(outcome)
+
+    def _record_row(self, outcome: RoundOutcome) -> None:
         proposal = outcome.proposal
         drafted, accepted, emitted = proposal.num_tokens, outcome.num_accepted, len(outcome.emitted)
         depth = proposal.depth
@@ -79,10 +92,7 @@ class SpecStats:
             if i < accepted:
                 self.accepted_per_position[i] += 1
         self.round_log.append((min(accepted, emitted), emitted))
-        self.verify_time_s += outcome.verify_time
-        self.verify_time_by_tokens.setdefault(outcome.forward_tokens, []).append(outcome.verify_time)
         self.draft_time_s += proposal.draft_time
-        self.draft_forwards += proposal.draft_forwards
         from_lookup = [all(s.kind != "draft" for s in sources) for sources in proposal.sources]
         self.lookup_drafted += sum(from_lookup)
         self.lookup_accepted += sum(from_lookup[node] for node in outcome.accepted)

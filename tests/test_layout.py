@@ -2,8 +2,8 @@
 
 import torch
 
-from hf_specdec.layout import (advance_window, forward_inputs, harvest_ngrams, is_plain_chain, merge_candidates,
-                               to_model_mask, window_inputs)
+from hf_specdec.layout import (advance_window, harvest_ngrams, is_plain_chain, merge_candidates, round_layout,
+                               stack_layouts, to_model_mask, window_inputs)
 from hf_specdec.round import Candidate, Proposal, Source
 
 POOL = ("pool", 0)
@@ -27,10 +27,10 @@ def test_exact_mask_and_positions_for_w2_n3_and_a_small_trie():
     extra = window_inputs(torch.tensor([[42, 10], [11, 12]]))
     # b) trie: 5 -> {6, 7}, and 8 (G=3 candidates, 4 nodes)
     trie = trie_of([5, 6], [5, 7], [8], extra=extra)
-    step = forward_inputs(trie, last_token=42, past_length=3)
+    step = round_layout(trie, last_token=42)
 
-    assert step.input_ids.tolist() == [[42, 10, 11, 12, 5, 6, 7, 8]]
-    assert step.position_ids.tolist() == [[3, 4, 4, 5, 4, 5, 5, 4]]
+    assert step.input_ids.tolist() == [42, 10, 11, 12, 5, 6, 7, 8]
+    assert step.offsets.tolist() == [0, 1, 1, 2, 1, 2, 2, 1]
     expected_inner = torch.tensor([
         # L  a  b  c  5  6  7  8
         [1, 0, 0, 0, 0, 0, 0, 0],  # last token
@@ -42,37 +42,45 @@ def test_exact_mask_and_positions_for_w2_n3_and_a_small_trie():
         [1, 0, 0, 0, 1, 0, 1, 0],  # node 7 (child of 5, sibling of 6)
         [1, 0, 0, 0, 0, 0, 0, 1],  # node 8
     ], dtype=torch.bool)
-    assert step.attention_mask.shape == (1, 1, 8, 3 + 8)
-    assert step.attention_mask[0, 0, :, :3].all()  # everybody sees the cache
-    assert torch.equal(step.attention_mask[0, 0, :, 3:], expected_inner)
+    assert torch.equal(step.inner, expected_inner)
     # logits: the last token, the nodes, then the window's bottom row
     assert step.logits_index.tolist() == [0, 4, 5, 6, 7, 2, 3]
     assert step.read_rows.tolist() == [5, 6]
-    assert step.kept_inputs([0, 2]).tolist() == [0, 4, 6]
+    assert step.kept_inputs([0, 2]) == [0, 4, 6]
 
 
 def test_a_plain_chain_needs_no_mask_and_no_positions():
     chain = Proposal.chain([5, 6, 7], [Source("draft", 0, i) for i in (1, 2, 3)])
     assert is_plain_chain(chain) and is_plain_chain(chain.__class__())
-    step = forward_inputs(chain, last_token=4, past_length=10)
-    assert step.input_ids.tolist() == [[4, 5, 6, 7]]
-    assert step.position_ids is None and step.attention_mask is None
-    assert step.kept_inputs([0, 1]).tolist() == [0, 1, 2]
+    step = round_layout(chain, last_token=4)
+    assert step.input_ids.tolist() == [4, 5, 6, 7] and step.offsets.tolist() == [0, 1, 2, 3]
+    assert step.inner is None
+    assert step.kept_inputs([0, 1]) == [0, 1, 2]
     # the empty window reads the last token's own row, and is still a plain chain
     empty = window_inputs(torch.tensor([[4]]))
     with_window = Proposal.chain([5], [Source("pool", 0, 1)], extra=empty)
-    assert is_plain_chain(with_window) and forward_inputs(with_window, 4, 10).read_rows.tolist() == [0]
+    assert is_plain_chain(with_window) and round_layout(with_window, 4).read_rows.tolist() == [0]
     assert not is_plain_chain(trie_of([5, 6], [5, 7]))
 
 
 def test_every_input_sees_a_path_of_consecutive_positions():
     extra = window_inputs(torch.arange(12).reshape(3, 4))  # W=4, N=4
     trie = trie_of([1, 2, 3], [1, 4], [5, 6], extra=extra)
-    step = forward_inputs(trie, last_token=0, past_length=0)
-    inner = step.attention_mask[0, 0]
+    step = round_layout(trie, last_token=0)
     for i in range(step.num_tokens):
-        seen = inner[i].nonzero().flatten()
-        assert step.position_ids[0, seen].tolist() == list(range(len(seen))), i
+        seen = step.inner[i].nonzero().flatten()
+        assert step.offsets[seen].tolist() == list(range(len(seen))), i
+
+
+def test_stacked_rows_pad_with_inputs_that_see_only_themselves():
+    chain = round_layout(Proposal.chain([5, 6], [Source("draft", 0, 1), Source("draft", 0, 2)]), 4)
+    tree = round_layout(trie_of([7, 8], [7, 9]), 3)
+    batch = stack_layouts([chain, tree], pad_token=0)
+    assert batch.input_ids.tolist() == [[4, 5, 6, 0], [3, 7, 8, 9]]
+    assert batch.valid.tolist() == [[True, True, True, False], [True] * 4]
+    assert batch.inner[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    assert torch.equal(batch.inner[1], tree.inner)
+    assert stack_layouts([chain, chain]).inner is None and stack_layouts([chain, chain]).valid is None
 
 
 def test_model_masks_for_sdpa_and_eager():

@@ -10,10 +10,10 @@ from hf_specdec import cache as kv
 from hf_specdec.config import LookaheadConfig
 from hf_specdec.costmodel import DecayedAcceptance, Estimates, best_count
 from hf_specdec.drafters.lookahead import LookaheadDrafter
-from hf_specdec.layout import forward_inputs, merge_candidates, to_model_mask, window_inputs
+from hf_specdec.layout import merge_candidates, round_layout, stack_layouts, window_inputs
 from hf_specdec.memory import LookaheadMemory
 from hf_specdec.policy import TreePolicy, free_extra_tokens, rank_prefixes, window_shape
-from hf_specdec.round import Candidate, Offer, RoundOutcome
+from hf_specdec.round import Candidate, Offer, RoundOutcome, RowView
 from hf_specdec.verify import verify_tree_sampled
 from tests.conftest import tiny_model
 
@@ -119,20 +119,20 @@ def test_sampling_runs_and_is_reproducible_with_a_seed():
 def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
     model = tiny_model("llama")
     prompt = REPETITIVE[:, :-1]
-    cache = kv.new_cache(model)
-    kv.forward(model, prompt, cache)
+    cache = kv.RowCache(model, "sdpa")
+    cache.prefill(prompt, None)
     last = int(REPETITIVE[0, -1])
     extra = window_inputs(torch.tensor([[last, 9, 10], [11, 12, 13]]))  # W=3, N=3 window (its KV must be dropped)
     trie = merge_candidates([Candidate(c, ("pool", 0)) for c in [(5, 6, 7), (5, 8), (4, 2)]], 8, extra=extra)
-    step = forward_inputs(trie, last, past_length=prompt.shape[1])
-    kv.forward(model, step.input_ids, cache, num_logits=None, position_ids=step.position_ids,
-               attention_mask=to_model_mask(step.attention_mask, "sdpa", torch.float32))
-    kv.keep(cache, prompt.shape[1], step.kept_inputs([0, 3]))  # the path 5 -> 8
+    step = round_layout(trie, last)
+    cache.forward(stack_layouts([step]))
+    cache.keep([step.kept_inputs([0, 3])])  # the path 5 -> 8
 
     fresh = kv.new_cache(model)
     kv.forward(model, torch.cat([REPETITIVE, torch.tensor([[5, 8]])], dim=1), fresh)
-    assert cache.get_seq_length() == fresh.get_seq_length() == REPETITIVE.shape[1] + 2
-    for layer, fresh_layer in zip(cache.layers, fresh.layers):
+    assert cache.cache.get_seq_length() == fresh.get_seq_length() == REPETITIVE.shape[1] + 2
+    assert cache.dense and cache.lengths.tolist() == [REPETITIVE.shape[1] + 2]
+    for layer, fresh_layer in zip(cache.cache.layers, fresh.layers):
         torch.testing.assert_close(layer.keys, fresh_layer.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer.values, fresh_layer.values, atol=1e-5, rtol=1e-5)
 
@@ -167,16 +167,21 @@ def test_round_size_follows_expected_rate_and_measured_cost():
 def test_window_gets_tokens_only_while_its_pool_pays():
     config, estimates = LookaheadConfig(), Estimates()
     policy = TreePolicy(config, estimates)
+    view = RowView(0, torch.arange(10), 8)
+
+    def plan():
+        return policy.plan([view], [Offer()])[0]
+
     for size, seconds in [(1, 1.0), (8, 1.05), (16, 1.1), (32, 1.2)]:  # extra tokens cost a little
         estimates.forward.observe(size, seconds)
-    assert policy.plan(8, Offer()).window[0] > 1  # optimistic prior: the window is tried
+    assert plan().window[0] > 1  # optimistic prior: the window is tried
     estimates.ema("round_tokens").update(1.2)
     estimates.ema("pool_gain").update(0.0)  # its n-grams never added a token beyond prompt lookup
-    assert policy.plan(8, Offer()).window == (1, 2)
+    assert plan().window == (1, 2)
     estimates.ema("pool_gain").update(0.6)  # now they do: worth up to 15% more per forward
-    assert policy.plan(8, Offer()).window[0] > 1
+    assert plan().window[0] > 1
     # every `remeasure_interval` rounds without a trie, one plain step keeps t(1), the reference, fresh
-    plans = [policy.plan(8, Offer()) for _ in range(config.remeasure_interval)]
+    plans = [plan() for _ in range(config.remeasure_interval)]
     assert sum(plan.is_plain for plan in plans) == 1
 
 
@@ -192,15 +197,15 @@ def test_alternative_continuations_are_learned_apart_from_the_first():
     model = tiny_model("llama")
     drafter = LookaheadDrafter(model, LookaheadConfig())
     policy = TreePolicy(LookaheadConfig(), Estimates())
-    committed = torch.tensor([[9, 1, 2, 9, 1, 3, 9, 1, 4, 9, 1]])  # "9 1" was followed by 4, 3 and 2
-    drafter.prefill(committed)
-    offer = drafter.offer(committed, max_depth=1)
+    view = RowView(0, torch.tensor([9, 1, 2, 9, 1, 3, 9, 1, 4, 9, 1]), 1)  # "9 1" was followed by 4, 3 and 2
+    drafter.prefill(view)
+    offer = drafter.offer(view)
     assert offer.candidates == (Candidate((4,), ("history", 2)), Candidate((3,), ("history_alt", 2)),
                                 Candidate((2,), ("history_alt", 2)))
     proposal = merge_candidates(offer.candidates, 8)
     for _ in range(20):  # the target always takes the first continuation
-        policy.observe(RoundOutcome(proposal, accepted=(0,), next_token=7, emitted=(4, 7), start_length=11,
-                                    forward_tokens=4, verify_time=0.1))
+        policy.observe([RoundOutcome(proposal, accepted=(0,), next_token=7, emitted=(4, 7), start_length=11,
+                                     forward_tokens=4, verify_time=0.1)])
     first, alternative = policy.acceptance(("history", 2)), policy.acceptance(("history_alt", 2))
     assert first.rate(1) > 0.85 and alternative.rate(1) < 0.1
     # so a trie of alternatives is not credited with more tokens than one can give

@@ -1,36 +1,50 @@
 """The drafter seam: who proposes tokens for the target to verify.
 
 A drafter is shaped like transformers' ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``),
-with one step more, because sizing belongs to the policy and the policy must see what there is to size:
+with one step more, because sizing belongs to the policy and the policy must see what there is to size. It
+works on the rows of a batch (one row for one prompt), each seen as a ``round.RowView``:
 
-``prefill(prompt_ids)``        a new sequence starts (``prompt_ids``: [1, L], the first new token included);
-``offer(committed_ids, d)``    what it could propose without running a model, candidates at most ``d`` deep
-                               (``round.Offer``), and how many tokens its model could draft;
-``propose(committed_ids, plan)`` the guesses the policy's ``RoundPlan`` asks for (``round.Proposal``);
-``update(outcome)``            the round's ``RoundOutcome``: what was kept, so it can keep its state in step;
-``release()``                  drop all state (caches) to free memory; it is not used again.
+``prefill(views)``           new sequences start (their ids include the first new token);
+``offer(views)``             per row, what it could propose without running a model (``round.Offer``);
+``propose(views, plans)``    per row, the guesses the policy's ``RoundPlan`` asks for (``round.Proposal``);
+``update(outcomes)``         per row, the round's ``RoundOutcome``, so it keeps its state in step (a row whose
+                             outcome is ``finished`` is gone from the next round);
+``release()``                drop all state (caches) to free memory; it is not used again.
 
 Drafters never decide acceptance (``verify.py``) nor sizes (``policy.py``): a plan is a value they follow. A
-composite (``ChainDrafter``) puts prompt lookup after a draft model.
+drafter that serves one row at a time (``RowDrafter``: the same methods over one view / plan / outcome) is
+run per row by ``PerRow``; ``ChainDrafter`` puts prompt lookup after a draft model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..round import Offer, Proposal, RoundOutcome, RoundPlan, Source
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
 
 
 class Drafter(Protocol):
-    def prefill(self, prompt_ids: torch.LongTensor) -> None: ...
+    def prefill(self, views: Sequence[RowView]) -> None: ...
 
-    def offer(self, committed_ids: torch.LongTensor, max_depth: int) -> Offer: ...
+    def offer(self, views: Sequence[RowView]) -> list[Offer]: ...
 
-    def propose(self, committed_ids: torch.LongTensor, plan: RoundPlan) -> Proposal: ...
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]: ...
+
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RowDrafter(Protocol):
+    def prefill(self, view: RowView) -> None: ...
+
+    def offer(self, view: RowView) -> Offer: ...
+
+    def propose(self, view: RowView, plan: RoundPlan) -> Proposal: ...
 
     def update(self, outcome: RoundOutcome) -> None: ...
 
@@ -40,52 +54,94 @@ class Drafter(Protocol):
 class NoDrafter:
     """Proposes nothing: every round is a plain step (after a drafter ran out of memory, say)."""
 
-    def prefill(self, prompt_ids: torch.LongTensor) -> None:
+    def prefill(self, views: Sequence[RowView]) -> None:
         pass
 
-    def offer(self, committed_ids: torch.LongTensor, max_depth: int) -> Offer:
-        return Offer()
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        return [Offer() for _ in views]
 
-    def propose(self, committed_ids: torch.LongTensor, plan: RoundPlan) -> Proposal:
-        return Proposal()
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        return [Proposal() for _ in views]
 
-    def update(self, outcome: RoundOutcome) -> None:
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         pass
 
     def release(self) -> None:
         pass
 
 
+class PerRow:
+    """One ``RowDrafter`` per row, made by ``make()`` when the row starts and released when it finishes."""
+
+    def __init__(self, make: Callable[[], RowDrafter]) -> None:
+        self.make = make
+        self.drafters: dict[int, RowDrafter] = {}
+
+    def prefill(self, views: Sequence[RowView]) -> None:
+        for view in views:
+            self.drafters[view.row] = drafter = self.make()
+            drafter.prefill(view)
+
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        return [self.drafters[view.row].offer(view) for view in views]
+
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        return [self.drafters[view.row].propose(view, plan) for view, plan in zip(views, plans)]
+
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
+        for outcome in outcomes:
+            drafter = self.drafters[outcome.row]
+            drafter.update(outcome)
+            if outcome.finished:
+                drafter.release()
+                del self.drafters[outcome.row]
+
+    def release(self) -> None:
+        for drafter in self.drafters.values():
+            drafter.release()
+        self.drafters.clear()
+
+
 class ChainDrafter:
     """A draft model's chain, then prompt lookup: the tokens that followed the chain's end earlier in the text.
 
-    ``lookup`` offers its continuation of the committed tokens (the policy may verify it alone, without a draft
-    forward); after the model's tokens it appends as many tokens of the continuation of committed + drafted as
-    the plan's rule allows. Both are deterministic drafts: one-hot rows when the model's tokens were sampled.
+    ``lookup`` (a ``PerRow`` of ``PromptLookupDrafter``) offers its continuation of each row's committed tokens
+    (the policy may verify it alone, without a draft forward); after the model's tokens it appends as many
+    tokens of the continuation of committed + drafted as the plan's rule allows. Lookup tokens are
+    deterministic drafts: one-hot rows when the model's tokens were sampled.
     """
 
-    def __init__(self, model, lookup=None) -> None:
+    def __init__(self, model: Drafter, lookup: PerRow | None = None) -> None:
         self.model, self.lookup = model, lookup
         self.parts = tuple(part for part in (model, lookup) if part is not None)
 
-    def prefill(self, prompt_ids: torch.LongTensor) -> None:
+    def prefill(self, views: Sequence[RowView]) -> None:
         for part in self.parts:
-            part.prefill(prompt_ids)
+            part.prefill(views)
 
-    def offer(self, committed_ids: torch.LongTensor, max_depth: int) -> Offer:
-        leading = self.lookup.offer(committed_ids, max_depth).candidates if self.lookup is not None else ()
-        return Offer(candidates=leading, model_tokens=self.model.offer(committed_ids, max_depth).model_tokens)
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        model = self.model.offer(views)
+        if self.lookup is None:
+            return model
+        return [dataclasses.replace(offer, candidates=leading.candidates)
+                for offer, leading in zip(model, self.lookup.offer(views))]
 
-    def propose(self, committed_ids: torch.LongTensor, plan: RoundPlan) -> Proposal:
-        if plan.model_tokens == 0:
-            return self.lookup.propose(committed_ids, plan) if plan.candidates and self.lookup else Proposal()
-        drafted = self.model.propose(committed_ids, plan)
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        drafted = self.model.propose(views, plans)
+        return [self._with_lookup(view, plan, chain) for view, plan, chain in zip(views, plans, drafted)]
+
+    def _with_lookup(self, view: RowView, plan: RoundPlan, drafted: Proposal) -> Proposal:
+        if self.lookup is None:
+            return drafted
+        lookup = self.lookup.drafters[view.row]
+        if plan.model_tokens == 0:  # a lookup-only round (or a plain step)
+            return lookup.propose(view, plan) if plan.candidates else drafted
         room = plan.max_tokens - drafted.num_tokens
-        if self.lookup is None or plan.rule is None or room <= 0:
+        if plan.rule is None or room <= 0 or not drafted.num_tokens:
             return drafted
         start = time.perf_counter()
         limit = min(room, plan.rule.lookup_tokens(drafted.confidences))
-        tail = self.lookup.continuation(drafted.tokens, limit) if limit > 0 else ()
+        tail = lookup.continuation(drafted.tokens, limit) if limit > 0 else ()
         seconds = drafted.draft_time + time.perf_counter() - start
         if not tail:
             return dataclasses.replace(drafted, draft_time=seconds)
@@ -99,9 +155,9 @@ class ChainDrafter:
             draft_probs, confidences=drafted.confidences, draft_time=seconds,
             draft_forwards=drafted.draft_forwards)
 
-    def update(self, outcome: RoundOutcome) -> None:
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         for part in self.parts:
-            part.update(outcome)
+            part.update(outcomes)
 
     def release(self) -> None:
         for part in self.parts:

@@ -24,12 +24,14 @@ Two savings that leave the output unchanged (the target verifies every token):
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 from transformers import LogitsProcessorList
 
 from .. import cache as kv
-from ..round import Offer, Proposal, RoundOutcome, RoundPlan, Source
+from ..layout import RoundLayout, stack_layouts
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
 
 
 class SubVocabHead:
@@ -37,7 +39,6 @@ class SubVocabHead:
 
     def __init__(self, model, token_ids: torch.LongTensor, vocab_size: int) -> None:
         head = model.get_output_embeddings()
-        self.base = getattr(model, model.base_model_prefix)
         self.token_ids = token_ids
         self.weight = head.weight.detach().index_select(0, token_ids.to(head.weight.device))  # [S, hidden]
         self.bias = None if head.bias is None else head.bias.detach().index_select(0, token_ids)
@@ -53,17 +54,17 @@ class SubVocabHead:
             and getattr(model, model.base_model_prefix, None) is not None
         )
 
-    def forward(self, input_ids: torch.LongTensor, cache) -> torch.Tensor:
-        """Like ``cache.forward(model, ..., num_logits=1)``: float logits [1, vocab], -inf outside the subset."""
-        hidden = kv.forward_hidden(self.base, input_ids, cache)[-1:]  # [1, hidden]
-        sub_logits = torch.nn.functional.linear(hidden, self.weight, self.bias).float()  # [1, S]
-        logits = torch.full((1, self.vocab_size), float("-inf"), device=sub_logits.device)
-        logits[:, self.token_ids] = sub_logits
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, n, H] -> float logits [B, n, vocab], -inf outside the subset."""
+        sub_logits = torch.nn.functional.linear(hidden, self.weight, self.bias).float()  # [B, n, S]
+        logits = torch.full((*hidden.shape[:2], self.vocab_size), float("-inf"), device=sub_logits.device)
+        logits[..., self.token_ids] = sub_logits
         return logits
 
 
 class DraftModelDrafter:
-    """Drafts a chain with a small causal LM that keeps its own KV cache across rounds (module docstring)."""
+    """Drafts a chain per row with a small causal LM that keeps its own KV cache (a ``cache.RowCache``) across
+    rounds; all rows draft in one batched forward per step (module docstring)."""
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class DraftModelDrafter:
         vocab_size: int,  # the vocabulary shared with the target (smaller of the two when one is padded)
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
+        pad_token_id: int = 0,
     ) -> None:
         self.model = draft_model
         self.logits_processor = logits_processor
@@ -81,73 +83,110 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size
         self.draft_vocab_size = draft_vocab_size
         self.special_token_ids = special_token_ids
-        self.cache = kv.new_cache(draft_model)
-        self.num_cached = 0  # committed tokens whose KV is in self.cache
+        self.pad_token_id = pad_token_id
         self.device = next(draft_model.parameters()).device
-        self.head: SubVocabHead | None = None
+        self.cache: kv.RowCache | None = None
+        self.rows: list[int] = []  # the batch rows held by the cache, in its order
 
-    def prefill(self, prompt_ids: torch.LongTensor) -> None:
-        prompt_ids = prompt_ids.to(self.device)
+    def prefill(self, views: Sequence[RowView]) -> None:
+        """Read every row's committed tokens but the last (the next round feeds it)."""
+        head = None
         if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
-            keep = torch.cat([
-                torch.arange(self.draft_vocab_size, device=self.device),
-                prompt_ids[0],
-                torch.tensor(self.special_token_ids, dtype=torch.long, device=self.device),
-            ])
-            keep = torch.unique(keep[keep < self.vocab_size])
-            self.head = SubVocabHead(self.model, keep, self.vocab_size)
-        if prompt_ids.shape[1] > 1:
-            self._logits(prompt_ids[:, :-1])
-        self.num_cached = prompt_ids.shape[1] - 1
+            keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
+                              torch.tensor(self.special_token_ids, dtype=torch.long)])
+            head = SubVocabHead(self.model, torch.unique(keep[keep < self.vocab_size]).to(self.device),
+                                self.vocab_size)
+        attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        self.cache = kv.RowCache(self.model, attention, head=head)
+        self.rows = [view.row for view in views]
+        prompts, mask = _left_padded([view.ids[:-1] for view in views], self.pad_token_id)
+        if prompts.shape[1]:
+            self.cache.prefill(prompts, mask, num_logits=1)
+        else:
+            self.cache.lengths = torch.zeros(len(views), dtype=torch.long)
 
-    def _logits(self, feed: torch.LongTensor) -> torch.Tensor:
-        """Draft forward over ``feed`` ([1, n]) appended to the cache; float logits [1, vocab]."""
-        if self.head is not None:
-            return self.head.forward(feed, self.cache)
-        return kv.forward(self.model, feed, self.cache, num_logits=1)[:, : self.vocab_size]
+    def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
+        """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) appended to its cache: float logits [B, V] after each."""
+        batch = stack_layouts([_fed(feed) for feed in feeds], self.pad_token_id)
+        even = batch.valid is None  # every row feeds as many tokens: only the last position's logits are needed
+        logits = self.cache.forward(batch, num_logits=1 if even else None)  # [B, 1 or n, V]
+        self.cache.keep([list(range(feed.shape[0])) for feed in feeds])
+        last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
+        return logits[torch.arange(len(feeds)), last.to(logits.device), : self.vocab_size]
 
-    def offer(self, committed_ids: torch.LongTensor, max_depth: int) -> Offer:
-        return Offer(model_tokens=max_depth)
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        return [Offer(model_tokens=view.budget) for view in views]
 
-    def propose(self, committed_ids: torch.LongTensor, plan: RoundPlan) -> Proposal:
-        """Up to ``plan.model_tokens`` tokens, each from the draft's processed distribution at its own prefix;
-        ``plan.rule`` (if any) may stop the chain earlier on the confidences so far."""
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        """Up to ``plan.model_tokens`` tokens per row, each from the draft's processed distribution at its own
+        prefix; a plan's rule may stop a row earlier on its confidences; all rows step together."""
         start = time.perf_counter()
-        ids = committed_ids.to(self.device)  # [1, L]
-        feed = ids[:, self.num_cached:]  # at least the last committed token
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        confidences: list[float] = []
-        for _ in range(plan.model_tokens):
-            logits = self._logits(feed)  # [1, V]
-            scores = self.logits_processor(ids, logits) if self.logits_processor else logits
-            draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
-            if self.do_sample:
-                token = torch.multinomial(draft_probs, 1)[0]  # [1]
-                probs.append(draft_probs[0])
-            else:
-                token = scores.argmax(dim=-1)  # [1]
-            confidences.append(float(draft_probs[0, token]))
-            tokens.append(int(token))
-            ids = torch.cat([ids, token[None]], dim=1)
-            feed = token[None]
-            if plan.rule is not None and not plan.rule.keep_drafting(confidences):
+        assert [view.row for view in views] == self.rows, "rows must come in the order the cache holds them"
+        limits = [plan.model_tokens for plan in plans]
+        steps = max(limits, default=0)
+        if steps == 0:
+            return [Proposal() for _ in views]
+        ids = [view.ids.to(self.device) for view in views]
+        feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
+        tokens: list[list[int]] = [[] for _ in views]
+        probs: list[list[torch.Tensor]] = [[] for _ in views]
+        confidences: list[list[float]] = [[] for _ in views]
+        drafting = [limit > 0 for limit in limits]
+        for _ in range(steps):
+            logits = self._logits(feeds)  # [B, V]
+            next_feeds = []
+            for r, plan in enumerate(plans):
+                scores = self.logits_processor(ids[r][None], logits[r: r + 1]) if self.logits_processor else \
+                    logits[r: r + 1]
+                draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
+                token = torch.multinomial(draft_probs, 1)[0] if self.do_sample else scores.argmax(dim=-1)  # [1]
+                if drafting[r]:
+                    tokens[r].append(int(token))
+                    confidences[r].append(float(draft_probs[0, token]))
+                    if self.do_sample:
+                        probs[r].append(draft_probs[0])
+                    drafting[r] = len(tokens[r]) < limits[r] and (
+                        plan.rule is None or plan.rule.keep_drafting(confidences[r]))
+                ids[r] = torch.cat([ids[r], token])
+                next_feeds.append(token)
+            if not any(drafting):
                 break
-        # the cache now holds every committed token and every draft token but the last
-        self.num_cached = ids.shape[1] - 1
-        return Proposal.chain(
-            tokens, [Source("draft", 0, i) for i in range(1, len(tokens) + 1)],
-            torch.stack(probs) if self.do_sample and probs else None,
-            confidences=tuple(confidences), draft_time=time.perf_counter() - start, draft_forwards=len(tokens))
+            feeds = next_feeds
+        seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
+        forwards = max(len(row) for row in tokens)
+        return [Proposal.chain(
+            row, [Source("draft", 0, i) for i in range(1, len(row) + 1)],
+            torch.stack(row_probs) if self.do_sample and row_probs else None,
+            confidences=tuple(row_confidences), draft_time=seconds, draft_forwards=forwards if row else 0)
+            for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
-    def update(self, outcome: RoundOutcome) -> None:
-        """Forget the KV of draft tokens the target rejected (it holds at most the drafted chain)."""
-        num_valid = outcome.start_length + outcome.num_accepted
-        if self.num_cached > num_valid:
-            kv.rollback(self.cache, num_valid)
-            self.num_cached = num_valid
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """Forget the KV of draft tokens the target rejected; drop the rows that finished."""
+        valid = torch.tensor([outcome.start_length + outcome.num_accepted for outcome in outcomes])
+        self.cache.truncate(valid)
+        if any(outcome.finished for outcome in outcomes):
+            keep = [i for i, outcome in enumerate(outcomes) if not outcome.finished]
+            self.cache.select_rows(keep)
+            self.rows = [self.rows[i] for i in keep]
 
     def release(self) -> None:
         self.cache = None
-        self.head = None
-        self.num_cached = 0
+        self.rows = []
+
+
+def _fed(tokens: torch.Tensor) -> RoundLayout:
+    """Tokens fed as a plain chain (the first is the "last token" of a round without guesses)."""
+    return RoundLayout(tokens.cpu(), torch.arange(tokens.shape[0]), None, torch.arange(tokens.shape[0]),
+                       torch.zeros(0, dtype=torch.long), 0)
+
+
+def _left_padded(rows: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of different lengths as one left-padded [B, L] batch and its mask (None without padding)."""
+    width = max(row.shape[0] for row in rows)
+    batch = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row.shape[0]:
+            batch[i, width - row.shape[0]:] = row.cpu()
+            mask[i, width - row.shape[0]:] = 1
+    return batch, (None if bool(mask.all()) else mask)

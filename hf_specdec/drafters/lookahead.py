@@ -28,34 +28,40 @@ import torch
 from ..config import LookaheadConfig
 from ..layout import advance_window, harvest_ngrams, merge_candidates, window_inputs
 from ..memory import LookaheadMemory
-from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan
+from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView
 from .ngram_pool import HistoryIndex, NgramPool
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 POOL = ("pool", 0)
 
 
-class LookaheadDrafter:
-    """Offers lookahead candidates and lays out the window (see module docstring).
+def check_lookahead_supported(model) -> None:
+    """Refuse, before any forward, a model lookahead cannot run exactly."""
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"decoding='lookahead' needs a custom 4-D attention mask, which attn_implementation={attention!r} "
+            f"cannot take. Load the model with attn_implementation='sdpa' (or 'eager')."
+        )
 
-    Built by ``integration.lookahead_generate``. ``memory``: earlier calls' text and recycling table (read and,
-    at ``release``, extended); None: a private memory for this call alone.
+
+class LookaheadDrafter:
+    """Offers lookahead candidates and lays out the window (see module docstring); a ``RowDrafter`` (one row).
+
+    Built by ``integration.lookahead_generate``, one per row. ``memory``: earlier calls' text and recycling
+    table (read, and at ``release`` extended with this row's text when ``remember``); None: a private one.
     """
 
-    def __init__(self, model, config: LookaheadConfig, memory: LookaheadMemory | None = None) -> None:
-        attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        if attention not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"decoding='lookahead' needs a custom 4-D attention mask, which attn_implementation={attention!r} "
-                f"cannot take. Load the model with attn_implementation='sdpa' (or 'eager')."
-            )
+    def __init__(self, model, config: LookaheadConfig, memory: LookaheadMemory | None = None,
+                 remember: bool | None = None) -> None:
+        check_lookahead_supported(model)
         self.config = config
         self.max_positions = getattr(model.config, "n_positions", None) or getattr(
             model.config, "max_position_embeddings", None)
         self.pool = NgramPool(config.max_pool_per_key)
         self.history = HistoryIndex(max_match=config.history_match) if config.pool_from_prompt else None
         self.memory = memory if memory is not None else LookaheadMemory()
-        self.keeps_memory = memory is not None
+        self.keeps_memory = (memory is not None) if remember is None else remember
         self.fill_generator = torch.Generator().manual_seed(0)  # placeholders for fresh window columns
         self.fill_source = torch.zeros(1, dtype=torch.long)
         self.rows: torch.Tensor | None = None  # [N-1, W] window; rows[0, 0] = last committed token
@@ -64,26 +70,26 @@ class LookaheadDrafter:
         self.num_committed = 0  # committed tokens when the window was last aligned
 
     # -- Drafter protocol -------------------------------------------------------------------------------------
-    def prefill(self, prompt_ids: torch.LongTensor) -> None:
-        tokens = prompt_ids[0].tolist()
+    def prefill(self, view: RowView) -> None:
+        tokens = view.ids.tolist()
         if self.history is not None:
             self.history.extend(tokens)
-        self.fill_source = prompt_ids[0].cpu()
+        self.fill_source = view.ids.cpu()
         self.num_committed = len(tokens)
 
-    def offer(self, committed_ids: torch.LongTensor, max_depth: int) -> Offer:
-        length = committed_ids.shape[1]
-        depth = min(max_depth, self.config.max_depth)
+    def offer(self, view: RowView) -> Offer:
+        length = view.ids.shape[0]
+        depth = min(view.budget, self.config.max_depth)
         positions_left = None
         if self.max_positions is not None:  # absolute position embeddings: node i sits at (length - 1) + depth_i
             positions_left = self.max_positions - length
             depth = min(depth, positions_left)
-        committed = committed_ids[0, -self.config.history_match:].tolist()
+        committed = view.ids[-self.config.history_match:].tolist()
         return Offer(candidates=tuple(self._candidates(committed, depth)), positions_left=positions_left)
 
-    def propose(self, committed_ids: torch.LongTensor, plan: RoundPlan) -> Proposal:
+    def propose(self, view: RowView, plan: RoundPlan) -> Proposal:
         start = time.perf_counter()
-        self._align_window(plan.window, committed_ids)
+        self._align_window(plan.window, view.ids)
         return merge_candidates(plan.candidates, max_nodes=self.config.max_forward_tokens,
                                 extra=window_inputs(self.rows), top_k=self.config.recycle_width,
                                 draft_time=time.perf_counter() - start)
@@ -102,10 +108,11 @@ class LookaheadDrafter:
         self.rows = self.age = self.pending_out = None
 
     # -- internals --------------------------------------------------------------------------------------------
-    def _align_window(self, shape: tuple[int, int], committed_ids: torch.LongTensor) -> None:
-        """Bring the window to the new last token: harvest its columns, shift it by what was committed."""
+    def _align_window(self, shape: tuple[int, int], committed: torch.LongTensor) -> None:
+        """Bring the window to the new last token (``committed``: [L]): harvest its columns, shift it by what was
+        committed."""
         window, ngram = shape
-        length, last = committed_ids.shape[1], int(committed_ids[0, -1])
+        length, last = committed.shape[0], int(committed[-1])
         same_shape = self.rows is not None and tuple(self.rows.shape) == (ngram - 1, window)
         if same_shape and self.pending_out is not None and self.pending_out.shape[0] == window:
             self.pool.add_all(harvest_ngrams(self.rows, self.pending_out, self.age))
