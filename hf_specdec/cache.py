@@ -42,6 +42,10 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+def has_sliding_layers(model) -> bool:
+    return any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=model.config).layers)
+
+
 def check_cache_supported(cache: Cache | None) -> None:
     """Refuse caches that cannot roll back. ``None`` (a fresh cache will be made) is fine."""
     if cache is None:
@@ -85,7 +89,7 @@ def _keep_block(layer, n: int, index: torch.LongTensor) -> None:
             gather = index.to(states.device)[:, None, :, None].expand(rows, states.shape[1], m, states.shape[3])
             kept = block.gather(2, gather)  # [B, H, m, D]
             states[:, :, states.shape[2] - n: states.shape[2] - n + m, :] = kept
-    if n > m:
+    if n > m:  # (a sliding-window layer records its past until then: cropping also restricts it to its window)
         layer.crop(-(n - m))
 
 
@@ -216,10 +220,32 @@ class RowCache:
                 mask = torch.cat([past_valid, new_valid], dim=1).long().to(self.device)
         else:  # trees: a 4-D mask, True = attend
             past_valid = self.valid if self.valid is not None else torch.ones(rows, past, dtype=torch.bool)
-            mask = torch.cat([past_valid[:, None, :].expand(rows, n, past), batch.inner], dim=2)[:, None]
-            mask = to_model_mask(mask.to(self.device), self.attention, self.dtype)
+            full = torch.cat([past_valid[:, None, :].expand(rows, n, past), batch.inner], dim=2)  # [B, n, past + n]
+            mask = self._layer_masks(full, positions, n)
         self._appended, self._past = n, past
         return self._call(batch.input_ids, positions, mask, num_logits)
+
+    def _layer_masks(self, full: torch.Tensor, positions: torch.Tensor, n: int):
+        """The 4-D mask each kind of layer takes: the full one, and for sliding-window layers the columns they
+        return (their window) with the window applied by position (one dense row: column index = position).
+        A model with ``config.layer_types`` gets them by layer type; one without gets its only kind."""
+        sliding = {type(layer).__name__: layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)}
+        as_model = lambda mask: to_model_mask(mask[:, None].to(self.device), self.attention, self.dtype)  # noqa: E731
+        if not sliding:
+            return as_model(full)
+        past = full.shape[2] - n
+        masks = {}
+        for layer in sliding.values():
+            visible = layer.get_mask_sizes(n)[0] - n  # cached columns the layer hands its attention
+            key_positions = torch.cat([torch.arange(past - visible, past)[None].expand(full.shape[0], visible),
+                                       positions], dim=1)  # [B, visible + n]
+            in_window = key_positions[:, None, :] > positions[:, :, None] - layer.sliding_window
+            masks["sliding_attention"] = as_model(full[:, :, past - visible:] & in_window)
+        layer_types = getattr(self.model.config, "layer_types", None)
+        if not layer_types:  # every layer slides (Mistral, Phi-3): one mask
+            return masks["sliding_attention"]
+        masks["full_attention"] = as_model(full)
+        return {kind: masks[kind] for kind in set(layer_types)}
 
     def keep(self, kept: list[list[int]]) -> None:
         """After ``forward``: row r keeps the KV of its inputs ``kept[r]`` (increasing), in that order."""

@@ -178,6 +178,12 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             "stream them or return per-step scores (streamer= / output_scores=True). Drop those, or generate one "
             "prompt at a time."
         )
+    if rows > 1 and kv.has_sliding_layers(model):
+        raise ValueError(
+            f"This model has sliding-window attention layers; hf_specdec decodes it one prompt at a time (its "
+            f"window is kept per cache column, and rows of a batch advance by different numbers of tokens). Got a "
+            f"batch of {rows}: generate one prompt at a time, or use plain generate() for the batch."
+        )
     mask = model_kwargs.get("attention_mask")
     if mask is not None:
         mask = mask.to(input_ids.device)
