@@ -8,7 +8,7 @@
 """
 
 from .config import LookaheadConfig, SpecConfig
-from .drafters.lookahead import LookaheadMemory
+from .memory import LookaheadMemory
 from .integration import SpecGenerateOutput, disable, enable, lookahead_generate, speculative_generate
 from .stats import SpecStats
 

@@ -24,10 +24,13 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 
 from . import cache as kv
 from .config import LookaheadConfig, SpecConfig
+from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.lookahead import LookaheadDrafter, LookaheadMemory
+from .drafters.lookahead import LookaheadDrafter, check_lookahead_supported
+from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
-from .policy import FixedPolicy, make_policy
+from .memory import LookaheadMemory
+from .policy import TreePolicy, make_policy
 from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -60,25 +63,21 @@ def speculative_generate(
     if draft_model is None:
         raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
     config = _as_config(spec_config, SpecConfig, "spec_config")
-    policy = make_policy(config)
-    inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                      spec_streamer)
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
-        return _run(model, inputs, pad, draft_model, policy, spec_streamer, generation_config, SpecStats())
-    _check_same_family(model, draft_model)
-    inputs.vocab_size = min(inputs.vocab_size, _vocab_size(draft_model))
-    drafter = DraftModelDrafter(
-        draft_model,
-        logits_processor,
-        do_sample=inputs.do_sample,
-        vocab_size=inputs.vocab_size,
-        need_confidence=getattr(policy, "needs_confidence", False),
-        generator=inputs.generator,
-        draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
-        special_token_ids=_special_token_ids(generation_config),
-        free_tokens=policy.free_tokens if config.policy == "adaptive" and config.history_lookup else None,
-        prefer_lookup=policy.prefer_lookup,
-    )
-    return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="speculative"))
+        drafter = draft_model
+    else:
+        _check_same_family(model, draft_model)
+        inputs.vocab_size = min(inputs.vocab_size, vocab_size(draft_model))
+        drafter = ChainDrafter(
+            DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
+                              draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
+                              special_token_ids=_special_token_ids(generation_config),
+                              pad_token_id=inputs.pad_token_id),
+            PerRow(PromptLookupDrafter) if config.history_lookup else None,
+        )
+    return _run(model, inputs, drafter, make_policy(config), spec_streamer, generation_config, "speculative")
 
 
 def lookahead_generate(
@@ -101,10 +100,13 @@ def lookahead_generate(
     if lookahead_memory is not None and not isinstance(lookahead_memory, LookaheadMemory):
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
                          f"{type(lookahead_memory).__name__}.")
-    inputs, pad = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-    drafter = LookaheadDrafter(model, config, inputs, memory=lookahead_memory)
-    policy = FixedPolicy(drafter.max_tokens)
-    return _run(model, inputs, pad, drafter, policy, spec_streamer, generation_config, SpecStats(mode="lookahead"))
+    check_lookahead_supported(model)
+    inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                      spec_streamer)
+    memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
+    drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None))
+    return _run(model, inputs, drafter, TreePolicy(config, memory.estimates), spec_streamer, generation_config,
+                "lookahead")
 
 
 # -- shared preparation ---------------------------------------------------------------------------------------------
@@ -118,9 +120,9 @@ def _as_config(value, cls, name):
     return value
 
 
-def _draft_vocab_size(config: SpecConfig, vocab_size: int) -> int | None:
+def _draft_vocab_size(config: SpecConfig, shared: int) -> int | None:
     if config.draft_vocab_size == "auto":
-        return 32768 if vocab_size > 65536 else None
+        return 32768 if shared > 65536 else None
     return config.draft_vocab_size
 
 
@@ -134,13 +136,14 @@ def _special_token_ids(generation_config: GenerationConfig) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
-def _vocab_size(model) -> int:
+def vocab_size(model) -> int:
+    """Rows of the output layer (the logits a model computes); the config's vocab_size without one."""
     head = model.get_output_embeddings()
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
 
 def _check_same_family(model, draft_model) -> None:
-    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(draft_model)
+    target_vocab, draft_vocab = vocab_size(model), vocab_size(draft_model)
     if min(target_vocab, draft_vocab) < 0.95 * max(target_vocab, draft_vocab):
         raise ValueError(
             f"Target and draft vocabularies differ too much ({target_vocab} vs {draft_vocab} rows) to be one "
@@ -152,8 +155,8 @@ def _check_same_family(model, draft_model) -> None:
         raise ValueError("The draft model must be a decoder-only causal LM.")
 
 
-def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
-    """Refuse what the loop cannot do, strip batch-1 left padding, and collect the loop's inputs."""
+def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, streamer):
+    """Refuse what the loop cannot do, and collect the loop's inputs."""
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; this model is encoder-decoder.")
     if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
@@ -162,50 +165,59 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             f"(num_beams={generation_config.num_beams}, num_return_sequences="
             f"{generation_config.num_return_sequences}); set both to 1."
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"hf_specdec decodes one sequence at a time (batch size 1), got batch size {input_ids.shape[0]}. "
-            "Call generate once per prompt, or use plain generate() for batches."
-        )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec needs input_ids, not inputs_embeds.")
     if generation_config.use_cache is False:
         raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    kv.check_cache_supported(cache)
-    if cache is None or cache.get_seq_length() > 0:
-        cache = kv.new_cache(model)
-
-    pad = input_ids[:, :0]
+    kv.check_cache_supported(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    rows = input_ids.shape[0]
+    if rows > 1 and (streamer is not None or output_scores):
+        raise ValueError(
+            f"With a batch of {rows} prompts, rows emit different numbers of tokens per round, so hf_specdec cannot "
+            "stream them or return per-step scores (streamer= / output_scores=True). Drop those, or generate one "
+            "prompt at a time."
+        )
+    if rows > 1 and kv.has_sliding_layers(model):
+        raise ValueError(
+            f"This model has sliding-window attention layers; hf_specdec decodes it one prompt at a time (its "
+            f"window is kept per cache column, and rows of a batch advance by different numbers of tokens). Got a "
+            f"batch of {rows}: generate one prompt at a time, or use plain generate() for the batch."
+        )
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        num_pad = int((mask[0].cumsum(0) == 0).sum())  # leading zeros
-        if not bool(mask[0, num_pad:].all()):
+    if mask is not None:
+        mask = mask.to(input_ids.device)
+        num_pad = (mask.cumsum(-1) == 0).sum(-1)  # leading zeros per row
+        if not bool((mask.sum(-1) + num_pad == mask.shape[1]).all()):
             raise ValueError("attention_mask has zeros after the first real token; only left padding is supported.")
-        pad, input_ids = input_ids[:, :num_pad], input_ids[:, num_pad:]
-
-    generator = None
+        if bool(mask.all()):
+            mask = None
+    pad_token = getattr(generation_config, "_pad_token_tensor", None)
+    if pad_token is None:
+        pad_token = generation_config.pad_token_id
+    pad_token = int(pad_token.reshape(-1)[0]) if isinstance(pad_token, torch.Tensor) else int(pad_token or 0)
     return DecodeInputs(
         target=model,
         input_ids=input_ids,
-        cache=cache,
+        attention_mask=mask,
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
         do_sample=bool(generation_config.do_sample),
-        max_length=int(generation_config.max_length) - pad.shape[1],
-        vocab_size=_vocab_size(model),
-        generator=generator,
-        output_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
-    ), pad
+        max_length=int(generation_config.max_length),
+        vocab_size=vocab_size(model),
+        pad_token_id=pad_token,
+        attention=getattr(model.config, "_attn_implementation", None) or "eager",
+        output_scores=output_scores,
+    )
 
 
-def _run(model, inputs, pad, drafter, policy, streamer, generation_config, stats):
-    sequences, stats, scores = decode(inputs, drafter, policy, streamer=streamer, stats=stats)
-    sequences = torch.cat([pad, sequences], dim=1)
+def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
+    stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]))
+    decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
     model.last_spec_stats = stats
     if not generation_config.return_dict_in_generate:
-        return sequences
-    return SpecGenerateOutput(sequences=sequences, scores=scores or None, spec_stats=stats)
+        return decoded.sequences
+    return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None, spec_stats=stats)
 
 
 # -- enable(model) --------------------------------------------------------------------------------------------------

@@ -27,55 +27,34 @@ from typing import Sequence
 
 import torch
 
+from .round import Candidate, ExtraInputs, Proposal, Source
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Candidate trie
 # ----------------------------------------------------------------------------------------------------------------
 
+def merge_candidates(candidates: Sequence[Candidate], max_nodes: int, **fields) -> Proposal:
+    """Merge ``candidates`` (in priority order) into a trie proposal of at most ``max_nodes`` nodes.
 
-@dataclass(frozen=True)
-class Trie:
-    """Candidates merged on shared prefixes. Node ids follow insertion order, so a parent precedes its children.
+    A node shared by several candidates is one input, and records every source that offered it (at its depth);
+    a candidate that does not fit is truncated, so the budget goes to the highest-priority candidates first.
+    ``fields`` go to the ``Proposal`` (draft time, extra inputs, ...).
 
-    tokens[i]: token of node i; parents[i]: parent node id, ``-1`` for children of the last token (the root);
-    depths[i]: 1 for the root's children.
-    """
-
-    tokens: tuple[int, ...] = ()
-    parents: tuple[int, ...] = ()
-    depths: tuple[int, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def children(self) -> dict[tuple[int, int], int]:
-        """(parent node id, token) -> child node id."""
-        return {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens))}
-
-    def path(self, node: int) -> list[int]:
-        """Node ids from the root's child down to ``node``."""
-        nodes = []
-        while node >= 0:
-            nodes.append(node)
-            node = self.parents[node]
-        return nodes[::-1]
-
-
-def build_trie(candidates: Sequence[Sequence[int]], max_nodes: int) -> Trie:
-    """Merge ``candidates`` (in priority order) into a trie of at most ``max_nodes`` nodes.
-
-    A candidate that does not fit is truncated, so the budget goes to the highest-priority candidates first.
-
-    >>> build_trie([[7, 8, 9], [7, 8, 5], [3]], max_nodes=4)
-    Trie(tokens=(7, 8, 9, 5), parents=(-1, 0, 1, 1), depths=(1, 2, 3, 3))
+    >>> trie = merge_candidates([Candidate((7, 8, 9), ("history", 2)), Candidate((7, 8, 5), ("pool", 0)),
+    ...                          Candidate((3,), ("pool", 0))], max_nodes=4)
+    >>> trie.tokens, trie.parents, trie.depths
+    ((7, 8, 9, 5), (-1, 0, 1, 1), (1, 2, 3, 3))
+    >>> [[(s.kind, s.position) for s in node] for node in trie.sources]
+    [[('history', 1), ('pool', 1)], [('history', 2), ('pool', 2)], [('history', 3)], [('pool', 3)]]
     """
     tokens: list[int] = []
     parents: list[int] = []
-    depths: list[int] = []
+    sources: list[list[Source]] = []
     children: dict[tuple[int, int], int] = {}
     for candidate in candidates:
         node = -1
-        for depth, token in enumerate(candidate, start=1):
+        for depth, token in enumerate(candidate.tokens, start=1):
             key = (node, int(token))
             if key not in children:
                 if len(tokens) >= max_nodes:
@@ -83,39 +62,13 @@ def build_trie(candidates: Sequence[Sequence[int]], max_nodes: int) -> Trie:
                 children[key] = len(tokens)
                 tokens.append(int(token))
                 parents.append(node)
-                depths.append(depth)
+                sources.append([])
             node = children[key]
-    return Trie(tuple(tokens), tuple(parents), tuple(depths))
-
-
-def verify_tree(trie: Trie, target_tokens: Sequence[int]) -> tuple[list[int], int]:
-    """Walk the trie along the target's own choices.
-
-    target_tokens: ``1 + len(trie)`` tokens; ``target_tokens[0]`` is the target's choice after the last token,
-        ``target_tokens[1 + i]`` its choice after node ``i`` (argmax for greedy; one sample per node when sampling).
-    Returns ``(accepted_nodes, next_token)``: the node ids of the accepted path (root's child first) and the
-    token that follows it (the bonus token if the path ends at a leaf, else the recovered token).
-
-    Lossless when sampling: every candidate is deterministic, so following the child that equals an independent
-    sample of the target at each node (SpecInfer with one-hot drafts) emits exactly target samples.
-
-    >>> trie = build_trie([[7, 8, 9], [7, 8, 5], [3]], max_nodes=8)
-    >>> verify_tree(trie, [7, 8, 5, 0, 1, 2])   # root->7 (node 0) ->8 (node 1) ->5 (node 3), then 1
-    ([0, 1, 3], 1)
-    >>> verify_tree(trie, [4, 8, 5, 0, 1, 2])   # target wants 4: nothing accepted
-    ([], 4)
-    """
-    assert len(target_tokens) == 1 + len(trie), (len(target_tokens), len(trie))
-    children = trie.children()
-    accepted: list[int] = []
-    node = -1
-    while True:
-        wanted = int(target_tokens[node + 1])
-        child = children.get((node, wanted))
-        if child is None:
-            return accepted, wanted
-        accepted.append(child)
-        node = child
+            source = Source(candidate.source[0], candidate.source[1], depth)
+            if source not in sources[node]:
+                sources[node].append(source)
+    return Proposal(tokens=tuple(tokens), parents=tuple(parents), sources=tuple(tuple(s) for s in sources),
+                    **fields)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,26 +122,6 @@ def advance_window(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepLayout:
-    """Inputs of one lookahead forward over ``L = (N-1)*W + len(trie)`` new tokens.
-
-    input_ids: [1, L]; position_ids: [1, L]; attention_mask: [1, 1, L, past + L] bool, True = attend.
-    window_out_index: [W] inputs whose logits continue the window columns (the bottom row).
-    trie_index: [1 + T] inputs whose logits verify the trie: the last token (index 0), then node i.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    window_out_index: torch.Tensor
-    trie_index: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
-
-
 @lru_cache(maxsize=32)
 def _window_block(window: int, ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention block [S, S] (S = (N-1)*W, row-major over rows[l, j]) and position offsets [S] of the window.
@@ -207,64 +140,141 @@ def _window_block(window: int, ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
     return block, levels + columns
 
 
-def build_layout(rows: torch.Tensor, trie: Trie, past_length: int, device: torch.device | str = "cpu") -> StepLayout:
-    """Input ids, position ids and the 4-D attention mask of one lookahead step.
+def window_inputs(rows: torch.Tensor) -> ExtraInputs:
+    """The Jacobi window ``rows`` [N-1, W] (``rows[0, 0]`` = the last token) as extra inputs of a forward: every
+    window token but the last token itself, with its position offset and mask, reading the bottom row (for the
+    empty window W=1, N=2 that is the last token itself: no extra inputs, one read).
 
-    rows: [N-1, W] window tokens with ``rows[0, 0]`` = the last token; trie: the candidates; past_length: tokens
-    already in the KV cache (so the last token sits at ``p = past_length``).
+    >>> extra = window_inputs(torch.tensor([[42, 10], [11, 12]]))
+    >>> extra.token_ids.tolist(), extra.offsets.tolist(), extra.read.tolist()
+    ([10, 11, 12], [1, 1, 2], [2, 3])
+    >>> window_inputs(torch.tensor([[42]])).read.tolist()
+    [0]
     """
     ngram_minus_one, window = rows.shape
-    window_len = ngram_minus_one * window
-    num_nodes = len(trie)
-    total = window_len + num_nodes
-    block, window_offsets = _window_block(window, ngram_minus_one + 1)
-
-    inner = torch.zeros(total, total, dtype=torch.bool)
-    inner[:window_len, :window_len] = block
-    if num_nodes:
-        # ancestors-or-self of node i, as [T, T] bool, built parent-first (node ids are topologically sorted)
-        ancestry = torch.eye(num_nodes, dtype=torch.bool)
-        for node, parent in enumerate(trie.parents):
-            if parent >= 0:
-                ancestry[node] |= ancestry[parent]
-        inner[window_len:, window_len:] = ancestry
-        inner[window_len:, 0] = True  # every node sees the last token
-        node_offsets = torch.tensor(trie.depths, dtype=torch.long)
-    else:
-        node_offsets = torch.zeros(0, dtype=torch.long)
-
-    input_ids = torch.cat([rows.reshape(-1), torch.tensor(trie.tokens, dtype=torch.long)])
-    position_ids = past_length + torch.cat([window_offsets, node_offsets])
-    mask = torch.cat([torch.ones(total, past_length, dtype=torch.bool), inner], dim=1)
-    window_out_index = torch.arange((ngram_minus_one - 1) * window, window_len)
-    trie_index = torch.cat([torch.zeros(1, dtype=torch.long), window_len + torch.arange(num_nodes)])
-    return StepLayout(
-        input_ids=input_ids[None].to(device),
-        position_ids=position_ids[None].to(device),
-        attention_mask=mask[None, None].to(device),
-        window_out_index=window_out_index.to(device),
-        trie_index=trie_index.to(device),
-    )
+    block, offsets = _window_block(window, ngram_minus_one + 1)
+    bottom = torch.arange((ngram_minus_one - 1) * window, ngram_minus_one * window)  # [W] the bottom row
+    return ExtraInputs(token_ids=rows.reshape(-1)[1:].clone(), offsets=offsets[1:].clone(),
+                       mask=block[1:, 1:].clone(), read=bottom)
 
 
 @dataclass(frozen=True)
-class TreeProposal:
-    """What a tree drafter hands the loop: the candidate trie, the step layout, and the layout's mask already in
-    the form the model's attention implementation takes (``to_model_mask``)."""
+class RoundLayout:
+    """One row's inputs of a round, ``n = 1 + w + T``: [last token] + extra inputs + trie nodes, relative to the
+    row's next position p (the last token sits at p, extra input i at p + its offset, node i at p + its depth).
 
-    trie: Trie
-    layout: StepLayout
-    attention_mask: torch.Tensor  # [1, 1, L, past + L]
+    input_ids: [n]; offsets: [n] positions after p; inner: [n, n] bool, which of the round's inputs each input
+    sees (True = attend; everybody also sees the row's cache), or None for a plain chain (causal);
+    logits_index: [R] the inputs whose logits are needed: the last token, each node, then the read inputs;
+    read_rows: [r] where the read inputs' logits sit among those R; num_extra: w.
+    """
+
+    input_ids: torch.Tensor
+    offsets: torch.Tensor
+    inner: torch.Tensor | None
+    logits_index: torch.Tensor
+    read_rows: torch.Tensor
+    num_extra: int
 
     @property
-    def depth(self) -> int:
-        """Length of the longest candidate (the "draft length" of the round)."""
-        return max(self.trie.depths, default=0)
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def kept_inputs(self, accepted: Sequence[int]) -> list[int]:
+        """Indices of the inputs whose KV the cache keeps: the last token and the accepted nodes."""
+        return [0] + [1 + self.num_extra + node for node in accepted]
 
 
-def accepted_input_index(trie: Trie, accepted_nodes: Sequence[int], num_window_tokens: int) -> list[int]:
-    """Indices, within the step's inputs, of the tokens whose KV is kept: the last token and the accepted nodes."""
-    return [0] + [num_window_tokens + node for node in accepted_nodes]
+def is_plain_chain(proposal: Proposal) -> bool:
+    """A chain with no extra inputs: the one layout a model needs no mask for."""
+    no_extra = proposal.extra is None or proposal.extra.num_tokens == 0
+    return no_extra and all(parent == node - 1 for node, parent in enumerate(proposal.parents))
+
+
+def round_layout(proposal: Proposal, last_token: int) -> RoundLayout:
+    """The inputs, position offsets and visibility of one row's round. Node i sees the last token, its ancestors
+    and itself; extras see the last token and what their own mask says; the two never see each other.
+
+    >>> from hf_specdec.round import Proposal, Source
+    >>> trie = Proposal(tokens=(5, 6, 7), parents=(-1, 0, 0), sources=((Source("pool", 0, 1),),) * 3)
+    >>> step = round_layout(trie, last_token=42)
+    >>> step.input_ids.tolist(), step.offsets.tolist(), step.logits_index.tolist()
+    ([42, 5, 6, 7], [0, 1, 2, 2], [0, 1, 2, 3])
+    >>> step.inner.int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    """
+    nodes = torch.tensor(proposal.tokens, dtype=torch.long)
+    num_nodes = nodes.shape[0]
+    extra = proposal.extra
+    read = extra.read if extra is not None else torch.zeros(0, dtype=torch.long)
+    if is_plain_chain(proposal):
+        n = 1 + num_nodes
+        return RoundLayout(torch.cat([torch.tensor([last_token]), nodes]), torch.arange(n), None, torch.arange(n),
+                           read, 0)
+    extra_ids = extra.token_ids if extra is not None else torch.zeros(0, dtype=torch.long)
+    num_extra = int(extra_ids.shape[0])
+    total = 1 + num_extra + num_nodes
+    inner = torch.zeros(total, total, dtype=torch.bool)
+    inner[:, 0] = True  # everybody sees the last token
+    if extra is not None:
+        inner[1: 1 + num_extra, 1: 1 + num_extra] = extra.mask
+    if num_nodes:
+        # ancestors-or-self of node i, as [T, T] bool, built parent-first (node ids are topologically sorted)
+        ancestry = torch.eye(num_nodes, dtype=torch.bool)
+        for node, parent in enumerate(proposal.parents):
+            if parent >= 0:
+                ancestry[node] |= ancestry[parent]
+        inner[1 + num_extra:, 1 + num_extra:] = ancestry
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long),
+                         extra.offsets if extra is not None else torch.zeros(0, dtype=torch.long),
+                         torch.tensor(proposal.depths, dtype=torch.long)])
+    logits_index = torch.cat([torch.zeros(1, dtype=torch.long), 1 + num_extra + torch.arange(num_nodes), read])
+    return RoundLayout(torch.cat([torch.tensor([last_token]), extra_ids, nodes]), offsets, inner, logits_index,
+                       1 + num_nodes + torch.arange(read.shape[0]), num_extra)
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The rows' layouts stacked into one forward, each row padded to the longest with inputs nobody sees.
+
+    input_ids / offsets / valid: [B, n] (valid: False for padding); inner: [B, n, n] bool or None when every
+    row is a plain chain (the model's own causal mask then applies).
+    """
+
+    input_ids: torch.Tensor
+    offsets: torch.Tensor
+    valid: torch.Tensor | None
+    inner: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def stack_layouts(layouts: Sequence[RoundLayout], pad_token: int = 0) -> BatchInputs:
+    """Stack rows for one forward. A padding input sits after its row's inputs and sees only itself.
+
+    >>> chain = round_layout(Proposal.chain([5, 6], [Source("draft", 0, 1), Source("draft", 0, 2)]), 4)
+    >>> plain = round_layout(Proposal(), 9)
+    >>> batch = stack_layouts([chain, plain])
+    >>> batch.input_ids.tolist(), batch.valid.tolist(), batch.inner is None
+    ([[4, 5, 6], [9, 0, 0]], [[True, True, True], [True, False, False]], True)
+    """
+    n = max(layout.num_tokens for layout in layouts)
+    rows = len(layouts)
+    input_ids = torch.full((rows, n), pad_token, dtype=torch.long)
+    offsets = torch.arange(n).repeat(rows, 1)
+    valid = torch.zeros(rows, n, dtype=torch.bool)
+    trees = any(layout.inner is not None for layout in layouts)
+    inner = torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1) if trees else None
+    for row, layout in enumerate(layouts):
+        m = layout.num_tokens
+        input_ids[row, :m] = layout.input_ids
+        offsets[row, :m] = layout.offsets
+        valid[row, :m] = True
+        if inner is not None:
+            inner[row, :m, :m] = layout.inner if layout.inner is not None else torch.ones(m, m).tril().bool()
+    return BatchInputs(input_ids, offsets, None if bool(valid.all()) else valid, inner)
 
 
 def to_model_mask(mask: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:

@@ -1,364 +1,314 @@
-"""How many tokens to draft next: the draft-length policies.
+"""Every sizing decision: how many tokens to draft, when to stop drafting, how many lookup tokens, which trie
+nodes, how wide the Jacobi window. The policy answers one question per round and learns from every round:
 
-A policy answers two questions for the loop and learns from every round:
+- ``plan(views, offers) -> [RoundPlan]``: the sizes of this round for each row of the batch (``round.py``), from
+  what the drafter offers and what was measured; a plan with nothing in it is a plain target step (speculation
+  off);
+- ``observe(outcomes)``: what the round cost and what the target kept in each row (the same ``RoundOutcome``s
+  the stats and the drafter get).
 
-- ``next_k(budget)``: the most draft tokens for this round (0 = a plain target step, speculation off);
-- ``keep_drafting(i, confidence)``: after the drafter produced its i-th token with probability ``confidence``
-  under the draft's own processed distribution, should it draft token i+1?
-- ``observe(...)``: what the round cost and how much of it the target accepted.
+With B rows in a batch, every forward reads all of them: a round of n inputs per row costs t(B n), which grows
+with B much sooner than with n alone, so every rule below prices a row's guesses at t(B n) (for one row,
+t(n)) and the draft model's step at t_d of the batched draft forward. The acceptance estimates are shared by
+the rows (they are drawn from one text distribution).
 
 Policies:
 
-``FixedPolicy``      always k.
+``FixedPolicy``      always k draft-model tokens.
 ``HeuristicPolicy``  transformers' ``num_assistant_tokens_schedule="heuristic"``: k += 2 after a round in which
                      every draft token was accepted, else k = max(1, k - 1). Kept as a reference. (transformers
                      also adds 2 after a round that drafted nothing; that quirk is not copied.)
-``AdaptivePolicy``   the default, a cost model fed by measurements.
+``AdaptivePolicy``   the default for a draft model: expected tokens per second from measured costs.
+``TreePolicy``       lookahead: the trie nodes and the window that maximise expected tokens per second.
+
+Every rule is the same argmax (``costmodel.best_count``) over the same estimates (``costmodel.Estimates``):
+a_i, the chance that guess i of a source is accepted given the ones before it were (``DecayedAcceptance``),
+t(n), the measured seconds of a target forward over n new tokens (``ForwardCost``), and t_d, the measured
+seconds of one draft-model step.
 
 The adaptive rule
 -----------------
-Let a_j be the probability that draft position j is accepted given that positions 1..j-1 were (estimated
-online from exponentially decayed counts with a Beta prior), t_d the measured time of one draft forward and
-t_v(n) the measured time of a target forward over n new tokens. A round that drafts k tokens emits on average
-
-    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j          tokens and costs    T(k) = k * t_d + t_v(k + 1),
-
-and a plain step (k = 0) emits 1 token in t_v(1). Each round picks
-
-    k* = argmax_{0 <= k <= budget}  E(k) / T(k)      (expected tokens per second).
-
-t_v is measured, never assumed: on a CPU in bf16 t_v(1..8) is nearly flat, in fp32 it roughly doubles, on a GPU
-it is flat much further. Estimates are made monotone in n >= 2 (a sample at m >= n bounds t_v(n) from above;
-t_v(1), a matrix-vector step that can cost more than a few-row product, is taken as measured),
-interpolated linearly between measured sizes and held flat beyond the largest (optimistic, so the policy tries a
-longer draft once and learns its cost). When k* = 0 speculation is off; every ``probe_interval`` plain rounds one round drafts
-anyway so that the estimates can recover when the text becomes predictable again.
+A round that drafts k tokens emits on average E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens in
+T(k) = k t_d + t(k + 1); a plain step (k = 0) emits 1 token in t(1). k* = argmax E(k) / T(k) over 0..budget.
+t is measured, never assumed: on a CPU with bf16 units t(1..8) is nearly flat, in fp32 it roughly doubles, on a
+GPU it is flat much further. When k* = 0 speculation is off; every ``probe_interval`` plain rounds one round
+drafts anyway so that the estimates can recover when the text becomes predictable again.
 
 With ``confidence_stop`` (the default) k* only decides whether to speculate at all; a speculating round may
 then run up to ``max_draft_tokens`` and stops where the draft's confidence says the next token is not worth its
-cost. With P_i the (calibrated) probability that draft tokens 1..i are all accepted, the round so far is worth
-E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d + t_v(i+1). Token i+1 adds about P_i * a_{i+1} tokens for
-t_d + t_v(i+2) - t_v(i+1) more time, with a_{i+1} predicted by the calibrated confidence of token i
-(confidence comes in stretches), so drafting goes on only while
+cost (``AdaptiveChainRule.keep_drafting``). With P_i the calibrated probability that draft tokens 1..i are all
+accepted, the round so far is worth E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d + t(i+1). Token i+1 adds
+about P_i * a_{i+1} tokens for t_d + t(i+2) - t(i+1) more time, with a_{i+1} predicted by the calibrated
+confidence of token i (confidence comes in stretches), so drafting goes on only while
 
-    P_i * a_{i+1} / (t_d + t_v(i+2) - t_v(i+1))  >  E_i / T_i .
-
-After the draft, ``free_tokens`` picks how many prompt-lookup tokens (the continuation that followed the same
-tokens earlier in the prompt or output) to append: lookup token j adds P_k * prod_{l<=j} beta_l expected tokens,
-with beta_l learned from decayed counts like a_j, and the count m maximises the round's E / T with the measured
-t_v(k + 1 + m). When the history alone offers a continuation whose expected rate (same beta_l, measured
-t_v) beats the best draft round, the round verifies that continuation without running the draft at all
-(``prefer_lookup``): in an edit that copies its input, the draft's forwards are pure cost.
+    P_i * a_{i+1} / (t_d + t(i+2) - t(i+1))  >  E_i / T_i .
 
 P_i multiplies calibrated confidences: the draft's probability of its own token, mapped to an acceptance
-probability through online per-bin acceptance counts (10 bins, Beta prior centred on the raw confidence).
+probability through decayed per-bin acceptance counts (10 bins, Beta prior centred on the raw confidence).
+
+After the draft, prompt lookup may append the continuation that followed the same tokens earlier in the prompt
+or output: lookup token j adds P_k * prod_{l<=j} b_l expected tokens (b_l learned like a_j), and the count m
+maximises the round's E / T with the measured t(k + 1 + m) (``lookup_tokens``). When the history alone offers a
+continuation whose expected rate beats the best draft round, the round verifies that continuation without
+running the draft at all: in an edit that copies its input, the draft's forwards are pure cost.
+
+The in-round parts are a value (``AdaptiveChainRule``, frozen, made by ``plan``) that the drafter reads: it
+never reaches the policy, and the policy learns the round's confidences from the proposal, not from calls.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Protocol, Sequence
 
-from .config import SpecConfig
+from .config import LookaheadConfig, SpecConfig
+from .costmodel import DecayedAcceptance, Estimates, best_count, prefix_gains
+from .layout import merge_candidates
+from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView
+
+PLAIN = RoundPlan()
 
 
-class DraftLengthPolicy(Protocol):
-    def next_k(self, budget: int) -> int: ...
+class Policy(Protocol):
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        """The sizes of each row's next round (``view.budget``: the most tokens it may propose)."""
 
-    def keep_drafting(self, num_drafted: int, confidence: float) -> bool: ...
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """Learn from one round: one outcome per row."""
 
-    def observe(self, drafted: int, accepted: int, draft_time: float, draft_forwards: int,
-                verify_tokens: int, verify_time: float) -> None: ...
 
-    def free_tokens(self, num_tokens: int, limit: int) -> int: ...
+def judged_slots(outcomes: Sequence[RoundOutcome], kind: str) -> list[tuple[int, bool]]:
+    """(position, kept) of every judged token offered by a source of this ``kind`` (see ``Source``), all rows."""
+    slots = []
+    for outcome in outcomes:
+        kept, judged = set(outcome.accepted), outcome.judged()
+        slots += [(source.position, node in kept)
+                  for node, sources in enumerate(outcome.proposal.sources) if judged[node]
+                  for source in sources if source.kind == kind]
+    return slots
 
-    def observe_lookup(self, appended: int, accepted: int) -> None: ...
 
-    def prefer_lookup(self, num_lookup: int) -> bool: ...
+# ----------------------------------------------------------------------------------------------------------------
+# Draft-model policies
+# ----------------------------------------------------------------------------------------------------------------
 
 
 class FixedPolicy:
-    needs_confidence = False
-
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def next_k(self, budget: int) -> int:
-        return min(self.k, budget)
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        return [RoundPlan(model_tokens=min(self.k, view.budget, offer.model_tokens), max_tokens=view.budget)
+                for view, offer in zip(views, offers)]
 
-    def keep_drafting(self, num_drafted: int, confidence: float) -> bool:
-        return True
-
-    def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         pass
-
-    def free_tokens(self, num_tokens: int, limit: int) -> int:
-        return 0
-
-    def observe_lookup(self, appended: int, accepted: int) -> None:
-        pass
-
-    def prefer_lookup(self, num_lookup: int) -> bool:
-        return False
 
 
 class HeuristicPolicy(FixedPolicy):
+    """+2 after a round in which every row kept all it drafted, else -1 (one k for the batch)."""
+
     def __init__(self, k: int, max_k: int) -> None:
         super().__init__(k)
         self.max_k = max_k
 
-    def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
-        if drafted == 0:
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        drafted = [outcome for outcome in outcomes if outcome.proposal.draft_forwards]
+        if not drafted:
             return
-        self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+        all_kept = all(outcome.num_accepted == outcome.proposal.num_tokens for outcome in drafted)
+        self.k = min(self.max_k, self.k + 2) if all_kept else max(1, self.k - 1)
 
 
-class Ema:
-    """Exponential moving average that starts at its first sample."""
+@dataclass(frozen=True)
+class AdaptiveChainRule:
+    """The in-round rules of one adaptive round, over a snapshot of the estimates (see the module docstring).
 
-    __slots__ = ("value", "weight")
-
-    def __init__(self, weight: float = 0.3) -> None:
-        self.value: float | None = None
-        self.weight = weight
-
-    def update(self, sample: float) -> None:
-        self.value = sample if self.value is None else (1 - self.weight) * self.value + self.weight * sample
-
-
-class ForwardCost:
-    """Measured seconds of one target forward as a function of n, the number of new tokens it reads.
-
-    Each size keeps an exponential moving average of its timings. ``estimate`` makes sizes n >= 2 monotone (a
-    forward over more tokens costs no less, so every measurement at m >= n also bounds t(n) from above; one slow
-    sample cannot make longer forwards look cheap), interpolates linearly between measured sizes and, beyond the
-    largest, is flat (optimistic: a longer forward gets tried once and then is measured) or, with
-    ``extrapolate``, continues the slope of the two largest measured sizes.
-
-    t(1) stands on its own: a one-token forward runs matrix-vector products, which can cost more than a product
-    over a few rows (measured on this project's CPU in bf16, oneDNN: 0.22 s for one token, 0.19 s for two, 0.21 s
-    for four). Bounding it by the larger sizes would hide that a round verifying a guess or two is cheaper than
-    a plain step.
-
-    >>> cost = ForwardCost()
-    >>> for n, seconds in [(1, 0.20), (4, 0.20), (8, 0.26), (2, 0.30)]:
-    ...     cost.observe(n, seconds)
-    >>> cost.estimate(2), cost.estimate(6), cost.estimate(16), cost.estimate(16, extrapolate=True)
-    (0.2, 0.23, 0.26, 0.38)
-    >>> cost.observe(1, 0.24)  # a matrix-vector step slower than the two-to-four-token products
-    >>> round(cost.estimate(1), 3), cost.estimate(2)
-    (0.212, 0.2)
+    t_step: t(n) for n = 1.. (index n - 1), flat past the largest measured size; t_extrapolated: the same,
+    extrapolated; bin_kept / bin_judged: the confidence calibration counts; lookup_rates: b_1..b_m.
     """
 
-    def __init__(self) -> None:
-        self._by_size: dict[int, Ema] = {}
+    t_draft: float | None
+    t_step: tuple[float | None, ...]
+    t_extrapolated: tuple[float | None, ...]
+    bin_kept: tuple[float, ...]
+    bin_judged: tuple[float, ...]
+    lookup_rates: tuple[float, ...]
+    confidence_stop: bool
+    max_tokens: int
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self._by_size.setdefault(int(num_tokens), Ema()).update(seconds)
+    def calibrated(self, confidence: float) -> float:
+        """P(accepted) of a draft token the draft gave probability ``confidence`` (Beta prior weight 2)."""
+        b = min(int(confidence * len(self.bin_kept)), len(self.bin_kept) - 1)
+        return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_judged[b] + 2.0)
 
-    def measured(self, num_tokens: int) -> bool:
-        return int(num_tokens) in self._by_size
+    def _t(self, n: int, extrapolate: bool = False) -> float | None:
+        table = self.t_extrapolated if extrapolate else self.t_step
+        return table[min(n, len(table)) - 1]
 
-    @property
-    def largest(self) -> int:
-        """The largest size measured so far (0 before any measurement)."""
-        return max(self._by_size, default=0)
+    def _worth(self, confidences: Sequence[float]) -> tuple[float, float]:
+        """(P(all drafted tokens accepted), expected tokens of the chain so far)."""
+        gains = prefix_gains([self.calibrated(c) for c in confidences])
+        return (gains[-1] if gains else 1.0), 1.0 + sum(gains)
 
-    def estimate(self, n: int, extrapolate: bool = False) -> float | None:
-        """Seconds for a forward over n new tokens; None before anything was measured."""
-        if not self._by_size:
-            return None
-        sizes = sorted(self._by_size)
-        bounded, running = {}, float("inf")
-        for m in reversed(sizes):
-            running = min(running, self._by_size[m].value) if m >= 2 else self._by_size[m].value
-            bounded[m] = running
-        if n <= sizes[0]:
-            return bounded[sizes[0]]
-        if n >= sizes[-1]:
-            if extrapolate and len(sizes) >= 2:  # continue the slope of the two largest measured sizes
-                slope = (bounded[sizes[-1]] - bounded[sizes[-2]]) / (sizes[-1] - sizes[-2])
-                return round(bounded[sizes[-1]] + max(0.0, slope) * (n - sizes[-1]), 12)
-            return bounded[sizes[-1]]
-        high = next(m for m in sizes if m >= n)
-        low = max(m for m in sizes if m <= n)
-        if high == low:
-            return bounded[n]
-        return round(bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low), 12)
+    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        n = len(confidences)
+        if not self.confidence_stop or n >= self.max_tokens or self.t_draft is None or not confidences:
+            return True
+        t_now, t_next = self._t(n + 1), self._t(n + 2)
+        if t_now is None or t_next is None:
+            return True
+        all_kept, emitted = self._worth(confidences)
+        gain = all_kept * self.calibrated(confidences[-1])
+        extra_time = self.t_draft + max(0.0, t_next - t_now)
+        return gain / extra_time > emitted / (n * self.t_draft + t_now)
+
+    def lookup_tokens(self, confidences: Sequence[float]) -> int:
+        if self.t_draft is None or not self.lookup_rates:
+            return 0
+        n = len(confidences) + 1  # the forward reads the last token and the drafted ones
+        if self._t(n) is None:
+            return 0
+        all_kept, emitted = self._worth(confidences)
+        draft_time = len(confidences) * self.t_draft
+
+        def seconds(m: int) -> float | None:
+            t = self._t(n) if m == 0 else self._t(n + m, extrapolate=True)
+            return None if t is None else draft_time + t
+
+        gains = [all_kept * g for g in prefix_gains(self.lookup_rates)]
+        return best_count(gains, seconds, base=emitted)
 
 
 class AdaptivePolicy:
-    needs_confidence = True
-    NUM_BINS = 10
+    """k from expected tokens per second; an in-round confidence stop; prompt-lookup tails and lookup-only
+    rounds (module docstring)."""
 
-    def __init__(self, config: SpecConfig) -> None:
+    NUM_BINS = 10  # confidence calibration bins
+    MAX_LOOKUP = 16  # longest prompt-lookup tail after the draft model's tokens
+    LEADING_LOOKUP = 10  # longest lookup-only round (transformers' prompt lookup uses 10)
+
+    def __init__(self, config: SpecConfig, estimates: Estimates | None = None) -> None:
         self.config = config
+        self.rows = 1  # rows in the batch this round: a forward over n inputs per row reads rows * n
         self.max_k = config.max_draft_tokens
-        self.initial_k = config.num_draft_tokens
-        # decayed acceptance counts per draft position (index 0 = position 1), Beta(2, 1) prior
-        self.reached = [0.0] * self.max_k
-        self.kept = [0.0] * self.max_k
-        # calibration of draft confidence: per confidence bin, decayed (accepted, seen) counts
-        self.bin_kept = [0.0] * self.NUM_BINS
-        self.bin_seen = [0.0] * self.NUM_BINS
-        self.round_confidences: list[float] = []
-        self.lookup_reached = [0.0] * self.MAX_LOOKUP  # prompt-lookup tokens after the draft, per position
-        self.lookup_kept = [0.0] * self.MAX_LOOKUP
-        self.draft_forward_time = Ema()
-        self.verify_cost = ForwardCost()
+        self.estimates = estimates if estimates is not None else Estimates()
+        # P(draft position i accepted | the ones before were): Beta(2, 1) prior; lookup tokens: Beta(1, 1)
+        self.draft = self.estimates.source(("draft", 0), prior=2 / 3, weight=3.0, decay=config.decay,
+                                           slots=self.max_k)
+        self.lookup = self.estimates.source(("lookup", 0), prior=0.5, decay=config.decay, slots=self.MAX_LOOKUP)
+        self.calibration = self.estimates.source(("confidence", 0), prior=0.0, decay=config.decay,
+                                                 slots=self.NUM_BINS)
         self.plain_rounds_in_a_row = 0
 
     # -- estimates ----------------------------------------------------------------------------------------------
-    def alpha(self, position: int) -> float:
-        """P(draft position ``position`` (1-based) accepted | all before it accepted)."""
-        i = min(position, self.max_k) - 1
-        return (self.kept[i] + 2.0) / (self.reached[i] + 3.0)
+    def _t(self, n: int, extrapolate: bool = False) -> float | None:
+        """Seconds of a forward over n inputs per row (every row's)."""
+        return self.estimates.forward.estimate(self.rows * n, extrapolate)
 
-    def calibrated(self, confidence: float) -> float:
-        b = min(int(confidence * self.NUM_BINS), self.NUM_BINS - 1)
-        return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_seen[b] + 2.0)
-
-    def t_verify(self, n: int, extrapolate: bool = False) -> float | None:
-        """Verify time for n new tokens (``ForwardCost.estimate``)."""
-        return self.verify_cost.estimate(n, extrapolate)
-
-    def expected_rate(self, k: int) -> float | None:
-        """E(k) / T(k) in tokens per second, None before anything was measured."""
-        t_d = self.draft_forward_time.value
-        t_v = self.t_verify(k + 1)
+    def _draft_round_seconds(self, k: int) -> float | None:
+        """T(k) = k t_d + t(k + 1); None while either is unmeasured."""
+        t_d, t_v = self.estimates.draft_step.value, self._t(k + 1)
         if t_v is None or (k > 0 and t_d is None):
             return None
-        emitted, prefix = 1.0, 1.0
-        for position in range(1, k + 1):
-            prefix *= self.alpha(position)
-            emitted += prefix
-        return emitted / (k * (t_d or 0.0) + t_v)
+        return k * (t_d or 0.0) + t_v
 
-    # -- decisions ------------------------------------------------------------------------------------------------
-    def next_k(self, budget: int) -> int:
-        self.round_confidences = []
-        budget = min(budget, self.max_k)
-        if budget <= 0:
-            return 0
-        if not self.verify_cost.measured(1):  # measure a plain step first: every other choice is compared to it
-            return 0
-        if self.draft_forward_time.value is None:
-            return min(self.initial_k, budget)
-        rates = [self.expected_rate(k) for k in range(budget + 1)]
-        best_k = max(range(budget + 1), key=lambda k: rates[k] if rates[k] is not None else -1.0)
-        if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval:
-            best_k = max(range(1, budget + 1), key=lambda k: rates[k] or -1.0)  # probe
-        if best_k > 0 and self.config.confidence_stop:
-            # speculation pays: let the round run up to the cap and let the in-round rule (keep_drafting),
-            # which sees each token's confidence, decide where this round stops
-            return budget
-        return best_k
+    def _best_draft_rate(self) -> float:
+        """The best expected tokens per second of a round that drafts 1..max_k tokens."""
+        gains = prefix_gains(self.draft.rates(self.max_k))
+        rates = [(1 + sum(gains[:k])) / t for k in range(1, self.max_k + 1)
+                 if (t := self._draft_round_seconds(k)) is not None]
+        return max(rates, default=0.0)
 
-    def keep_drafting(self, num_drafted: int, confidence: float) -> bool:
-        self.round_confidences.append(confidence)
-        if not self.config.confidence_stop or num_drafted >= self.max_k:
-            return True
-        t_d = self.draft_forward_time.value
-        if t_d is None:
-            return True
-        all_kept, emitted = 1.0, 1.0
-        for c in self.round_confidences:
-            all_kept *= self.calibrated(c)
-            emitted += all_kept
-        t_now = self.t_verify(num_drafted + 1)
-        t_next = self.t_verify(num_drafted + 2)
-        if t_now is None or t_next is None:
-            return True
-        # the next token's acceptance is predicted by the calibrated confidence of the latest one (confidence
-        # runs in stretches: boilerplate is confidently right, a new identifier is not)
-        gain = all_kept * self.calibrated(self.round_confidences[-1])
-        extra_time = t_d + max(0.0, t_next - t_now)
-        return gain / extra_time > emitted / (num_drafted * t_d + t_now)
-
-    MAX_LOOKUP = 16
-
-    def lookup_alpha(self, position: int) -> float:
-        """P(prompt-lookup token ``position`` accepted | the draft and the lookup tokens before it were)."""
-        i = min(position, self.MAX_LOOKUP) - 1
-        return (self.lookup_kept[i] + 1.0) / (self.lookup_reached[i] + 2.0)
-
-    def free_tokens(self, num_tokens: int, limit: int) -> int:
-        """How many prompt-lookup tokens to append after this round's draft (``num_tokens`` - 1 tokens).
-
-        The m that maximises the round's expected tokens per second: the draft part is worth E_k (from this
-        round's calibrated confidences), lookup token j adds P(all before accepted) * beta_j, and the round
-        costs k * t_d + t_v(k + 1 + m) with t_v measured.
-        """
-        t_d, base = self.draft_forward_time.value, self.t_verify(num_tokens)
-        if not self.config.history_lookup or t_d is None or base is None:
-            return 0
-        all_kept, emitted = 1.0, 1.0
-        for c in self.round_confidences:
-            all_kept *= self.calibrated(c)
-            emitted += all_kept
-        draft_time = (num_tokens - 1) * t_d
-        best, best_rate = 0, emitted / (draft_time + base)
-        for extra in range(1, min(limit, self.MAX_LOOKUP) + 1):
-            all_kept *= self.lookup_alpha(extra)
-            emitted += all_kept
-            rate = emitted / (draft_time + self.t_verify(num_tokens + extra, extrapolate=True))
-            if rate > best_rate:
-                best, best_rate = extra, rate
-        return best
-
-    def prefer_lookup(self, num_lookup: int) -> bool:
+    def _prefer_lookup(self, num_lookup: int) -> bool:
         """Is a round of ``num_lookup`` prompt-lookup tokens alone (no draft forward) worth more per second than
         the best draft round? (Copying the input, as in edits, the draft is not needed.)"""
-        t_verify = self.t_verify(num_lookup + 1, extrapolate=True)
-        if not self.config.history_lookup or t_verify is None:
+        t_v = self._t(num_lookup + 1, extrapolate=True)
+        if t_v is None:
             return False
-        emitted, all_kept = 1.0, 1.0
-        for position in range(1, num_lookup + 1):
-            all_kept *= self.lookup_alpha(position)
-            emitted += all_kept
-        draft_rates = [self.expected_rate(k) or 0.0 for k in range(1, self.max_k + 1)]
-        return emitted / t_verify > max(draft_rates, default=0.0)
+        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate()
 
-    def observe_lookup(self, appended: int, accepted: int) -> None:
-        """A round whose draft tokens were all accepted judged ``appended`` lookup tokens, keeping ``accepted``."""
-        for i in range(min(appended, accepted + 1, self.MAX_LOOKUP)):
-            self.lookup_reached[i] += 1.0
-            if i < accepted:
-                self.lookup_kept[i] += 1.0
+    def rule(self) -> AdaptiveChainRule:
+        longest = self.max_k + 2 + self.MAX_LOOKUP
+        return AdaptiveChainRule(
+            t_draft=self.estimates.draft_step.value,
+            t_step=tuple(self._t(n) for n in range(1, longest + 1)),
+            t_extrapolated=tuple(self._t(n, extrapolate=True) for n in range(1, longest + 1)),
+            bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
+            lookup_rates=tuple(self.lookup.rates(self.MAX_LOOKUP)) if self.config.history_lookup else (),
+            confidence_stop=self.config.confidence_stop, max_tokens=self.max_k,
+        )
 
-    # -- learning -------------------------------------------------------------------------------------------------
-    def observe(self, drafted, accepted, draft_time, draft_forwards, verify_tokens, verify_time) -> None:
-        self.verify_cost.observe(verify_tokens, verify_time)
-        if drafted == 0:
+    # -- decisions ----------------------------------------------------------------------------------------------
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        self.rows = len(views)
+        room = [view.budget for view in views]
+        budget = min(self.max_k, max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
+        k = self._draft_length(budget)
+        if k == 0:
+            return [PLAIN] * len(views)
+        if self.estimates.draft_step.value is None:  # t_d unknown: draft the starting k once, measure it
+            return [RoundPlan(model_tokens=min(k, r), max_tokens=r) for r in room]
+        rule, plans = self.rule(), []
+        for view, offer in zip(views, offers):
+            leading = next((c for c in offer.candidates if c.source == ("lookup", 0)), None)
+            if (self.config.history_lookup and leading is not None
+                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]))):
+                plans.append(RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
+                                       max_tokens=view.budget))
+            else:
+                plans.append(RoundPlan(model_tokens=min(k, view.budget, offer.model_tokens), max_tokens=view.budget,
+                                       rule=rule))
+        return plans
+
+    def _draft_length(self, budget: int) -> int:
+        """The most draft-model tokens this round: 0 (a plain step) while t(1) or the draft's worth is unknown
+        or does not pay; with ``confidence_stop`` the cap (the in-round rule decides), else k*."""
+        if budget <= 0 or not self.estimates.forward.measured(self.rows):  # a plain step first: the reference
+            return 0
+        if self.estimates.draft_step.value is None:
+            return min(self.config.num_draft_tokens, budget)
+        gains = prefix_gains(self.draft.rates(budget))
+        best_k = best_count(gains, self._draft_round_seconds, budget)
+        if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval:
+            best_k = 1 + best_count(gains[1:], lambda n: self._draft_round_seconds(n + 1), budget - 1,
+                                    base=1 + gains[0])  # probe: the best round that drafts at all
+        if best_k == 0:
+            return 0
+        # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which sees
+        # each token's confidence, decides where it stops
+        return budget if self.config.confidence_stop else best_k
+
+    # -- learning -----------------------------------------------------------------------------------------------
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        first = outcomes[0]
+        self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        lookup = judged_slots(outcomes, "lookup")
+        if lookup:
+            self.lookup.observe_slots(lookup)
+        forwards = max(outcome.proposal.draft_forwards for outcome in outcomes)
+        if not forwards:
             self.plain_rounds_in_a_row += 1
             return
         self.plain_rounds_in_a_row = 0
-        if draft_forwards:
-            self.draft_forward_time.update(draft_time / draft_forwards)
-        decay = self.config.decay
-        self.reached = [x * decay for x in self.reached]
-        self.kept = [x * decay for x in self.kept]
-        for i in range(min(drafted, accepted + 1)):  # positions the target actually judged
-            self.reached[i] += 1.0
-            if i < accepted:
-                self.kept[i] += 1.0
-        self.lookup_reached = [x * decay for x in self.lookup_reached]
-        self.lookup_kept = [x * decay for x in self.lookup_kept]
-        self.bin_seen = [x * decay for x in self.bin_seen]
-        self.bin_kept = [x * decay for x in self.bin_kept]
-        for i, c in enumerate(self.round_confidences[: accepted + 1]):
-            b = min(int(c * self.NUM_BINS), self.NUM_BINS - 1)
-            self.bin_seen[b] += 1.0
-            if i < accepted:
-                self.bin_kept[b] += 1.0
+        self.estimates.draft_step.update(sum(outcome.proposal.draft_time for outcome in outcomes) / forwards)
+        self.draft.observe_slots(judged_slots(outcomes, "draft"))
+        bins = []
+        for outcome in outcomes:
+            drafted = judged_slots([outcome], "draft")
+            bins += [(min(int(c * self.NUM_BINS), self.NUM_BINS - 1) + 1, kept)
+                     for c, (_, kept) in zip(outcome.proposal.confidences, drafted)]
+        self.calibration.observe_slots(bins)
 
 
-def make_policy(config: SpecConfig) -> DraftLengthPolicy:
+def make_policy(config: SpecConfig, estimates: Estimates | None = None) -> Policy:
     if config.policy == "fixed":
         return FixedPolicy(config.num_draft_tokens)
     if config.policy == "heuristic":
         return HeuristicPolicy(config.num_draft_tokens, config.max_draft_tokens)
-    return AdaptivePolicy(config)
+    return AdaptivePolicy(config, estimates)
 
 
 def speedup_bound(alpha: float, c: float, k: int) -> float:
@@ -366,3 +316,180 @@ def speedup_bound(alpha: float, c: float, k: int) -> float:
     if alpha >= 1.0:
         return (k + 1) / (1 + k * c)
     return (1 - math.pow(alpha, k + 1)) / ((1 - alpha) * (1 + k * c))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lookahead: a trie of ready-made candidates and a Jacobi window
+# ----------------------------------------------------------------------------------------------------------------
+
+POOL = ("pool", 0)
+# Prior acceptance of each source's tokens (Beta prior of weight 2; see ``round.Source`` for the kinds).
+# Alternatives to a lookup's first continuation are learned apart: at most one of them can be right, and
+# counting them as likely as the first would credit a trie of many alternatives with more tokens than it can give.
+PRIOR_ACCEPTANCE = MappingProxyType({
+    POOL: 0.25,
+    **{("history", m): rate for m, rate in zip((1, 2, 3, 4), (0.3, 0.45, 0.6, 0.7))},
+    **{("memory", m): rate for m, rate in zip((1, 2, 3, 4), (0.15, 0.3, 0.45, 0.55))},
+    **{("history_alt", m): rate for m, rate in zip((1, 2, 3, 4), (0.1, 0.15, 0.2, 0.25))},
+    **{("memory_alt", m): rate for m, rate in zip((1, 2, 3, 4), (0.05, 0.1, 0.15, 0.2))},
+    **{("recycle", rank): rate for rank, rate in enumerate((0.3, 0.1, 0.05, 0.03))},
+    **{("recycle_second", rank): rate for rank, rate in enumerate((0.1, 0.05, 0.03))},
+})
+
+
+def prior_acceptance(key: tuple[str, int]) -> float:
+    """The prior of a source; variants past the table's last (a longer match, a lower rank) take its last."""
+    if key in PRIOR_ACCEPTANCE:
+        return PRIOR_ACCEPTANCE[key]
+    known = [variant for kind, variant in PRIOR_ACCEPTANCE if kind == key[0]]
+    return PRIOR_ACCEPTANCE[(key[0], max(known))] if known else 0.1
+
+
+def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[tuple[tuple[int, ...], float]]:
+    """Every distinct prefix of the candidates with its gain, best first.
+
+    ``candidates``: (tokens, per-depth acceptance rates). The gain of a prefix is the probability that all of it
+    is accepted (the product of its candidate's rates; a prefix shared by several candidates takes the highest),
+    i.e. what its last token adds to the expected number of accepted tokens. A parent's gain is never below its
+    child's, and ties go to the shorter prefix, so every prefix comes after its parent: the first n prefixes
+    always form a trie.
+
+    >>> rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5)), ((3,), (0.6,))])
+    [((7,), 0.9), ((3,), 0.6), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
+    """
+    gains: dict[tuple[int, ...], float] = {}
+    for tokens, rates in candidates:
+        for depth, gain in enumerate(prefix_gains(rates[: len(tokens)]), start=1):
+            prefix = tuple(int(t) for t in tokens[:depth])
+            gains[prefix] = max(gains.get(prefix, 0.0), gain)
+    return sorted(gains.items(), key=lambda item: (-item[1], len(item[0])))
+
+
+def free_extra_tokens(forward_seconds: Callable[[int], float], used: int, limit: int, tolerance: float) -> int:
+    """The most tokens that can join a forward of ``used`` tokens while it stays within ``tolerance`` of its cost.
+
+    >>> free_extra_tokens(lambda n: 1.0 if n <= 8 else 2.0, used=3, limit=20, tolerance=0.15)
+    5
+    """
+    base = forward_seconds(used)
+    return max((e for e in range(limit + 1) if forward_seconds(used + e) <= (1.0 + tolerance) * base), default=0)
+
+
+def window_shape(extra_tokens: int) -> tuple[int, int]:
+    """(W, N) spending ``extra_tokens`` on the Jacobi window: off below 5 (W=1, N=2: just the last token), N=3
+    below 24 extra tokens, N=4 below 48, else N=5, and as many columns as fit.
+
+    >>> window_shape(3), window_shape(5), window_shape(15), window_shape(30)
+    ((1, 2), (3, 3), (8, 3), (10, 4))
+    """
+    if extra_tokens < 5:
+        return 1, 2
+    ngram = 3 if extra_tokens < 24 else 4 if extra_tokens < 48 else 5
+    return (extra_tokens + 1) // (ngram - 1), ngram
+
+
+def _truncate_to_trie(candidates: Sequence[Candidate], prefixes: set[tuple[int, ...]]) -> tuple[Candidate, ...]:
+    """Each candidate cut to its longest prefix in ``prefixes`` (dropped if none): merged, they are that trie."""
+    kept = []
+    for candidate in candidates:
+        depth = 0
+        while depth < len(candidate.tokens) and tuple(candidate.tokens[: depth + 1]) in prefixes:
+            depth += 1
+        if depth:
+            kept.append(Candidate(tuple(candidate.tokens[:depth]), candidate.source))
+    return tuple(kept)
+
+
+class TreePolicy:
+    """Lookahead sizing: the trie nodes that maximise expected tokens per second (learned acceptance per source
+    and depth, measured forward cost), then a Jacobi window from whatever extra inputs keep the forward within
+    ``window_tolerance`` of its cost, and only while its pool adds tokens. Explicit W/N/G are used as given
+    (explicit G: G*(N-1) trie nodes, candidates in priority order)."""
+
+    def __init__(self, config: LookaheadConfig, estimates: Estimates) -> None:
+        self.config = config
+        self.estimates = estimates
+        self.rows = 1  # rows in the batch this round
+        self.rounds = 0
+        self.last_plain_round = 0  # the round that last measured t(1)
+
+    def acceptance(self, key: tuple[str, int]) -> DecayedAcceptance:
+        return self.estimates.source(key, prior_acceptance(key), decay=self.config.acceptance_decay,
+                                     slots=self.config.max_depth)
+
+    def _seconds(self, num_tokens: int) -> float:
+        """Seconds of a forward over ``num_tokens`` inputs per row (every row's)."""
+        return self.estimates.forward.estimate(self.rows * num_tokens) or 0.0
+
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        self.rows = len(views)
+        self.rounds += 1
+        if not self.estimates.forward.measured(self.rows):  # a plain step first: every other size is compared to it
+            self.last_plain_round = self.rounds
+            return [PLAIN] * len(views)
+        plans = [self._plan_row(view.budget, offer) for view, offer in zip(views, offers)]
+        if all(plan.is_plain for plan in plans):
+            self.last_plain_round = self.rounds
+        return plans
+
+    def _plan_row(self, budget: int, offer: Offer) -> RoundPlan:
+        config, cost = self.config, self.estimates.forward
+        # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
+        limit = min(config.max_forward_tokens, max(8, 2 * cost.largest // self.rows))
+        candidates = tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
+        if config.max_candidates == "auto":
+            ranked = rank_prefixes([(c.tokens, self.acceptance(c.source).rates(len(c.tokens))) for c in candidates])
+            nodes = best_count([gain for _, gain in ranked], lambda n: self._seconds(1 + n), limit - 1)
+            chosen = _truncate_to_trie(candidates, {prefix for prefix, _ in ranked[:nodes]})
+            num_nodes = nodes
+        if config.window != "auto":
+            window = config.window
+            ngram = config.ngram if config.ngram != "auto" else (3 if window > 1 else 2)
+        else:
+            used = 1 + (num_nodes if config.max_candidates == "auto" else 0)
+            pool_gain = self.estimates.ema("pool_gain").value
+            round_tokens = self.estimates.ema("round_tokens").value
+            worth = min(config.window_tolerance,
+                        (config.prior_pool_gain if pool_gain is None else pool_gain) / (round_tokens or 1.0))
+            extra = free_extra_tokens(self._seconds, used, limit - used, worth)
+            if used == 1 and self.rounds - self.last_plain_round >= config.remeasure_interval:
+                extra = 0  # nothing to verify: a plain step, which keeps t(1), the reference of every size, fresh
+            window, ngram = window_shape(extra)
+            if config.ngram != "auto":
+                ngram = config.ngram
+                window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
+        if config.max_candidates != "auto":
+            trie = merge_candidates(candidates, config.max_candidates * (ngram - 1))
+            chosen = _truncate_to_trie(candidates, {tuple(trie.tokens[n] for n in trie.path(node))
+                                                    for node in range(trie.num_tokens)})
+        if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
+            window, ngram = 1, 2  # the window would run past the position table
+        return RoundPlan(max_tokens=budget, candidates=chosen, window=(window, ngram))
+
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """Learn each source's acceptance per depth, what the pool adds, tokens per round, and the cost."""
+        first = outcomes[0]
+        self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        by_source: dict[tuple[str, int], list[tuple[int, bool]]] = {}
+        for outcome in outcomes:
+            self._observe_row(outcome, by_source)
+        for key, slots in by_source.items():
+            self.acceptance(key).observe_slots(slots)
+
+    def _observe_row(self, outcome: RoundOutcome, by_source: dict) -> None:
+        proposal = outcome.proposal
+        if not proposal.num_tokens:
+            return
+        self.estimates.ema("round_tokens").update(len(outcome.emitted))
+        kept, judged = set(outcome.accepted), outcome.judged()
+        for node, sources in enumerate(proposal.sources):
+            if judged[node]:
+                for source in sources:
+                    by_source.setdefault(source.key, []).append((source.position, node in kept))
+        # tokens only the pool offered: how deep the accepted path goes with a pool source vs with any other
+        depth_by = {True: 0, False: 0}
+        for depth, node in enumerate(outcome.accepted, start=1):
+            for source in proposal.sources[node]:
+                depth_by[source.key == POOL] = depth
+        if any(source.key == POOL for sources in proposal.sources for source in sources):
+            self.estimates.ema("pool_gain").update(max(0, depth_by[True] - depth_by[False]))

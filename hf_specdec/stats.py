@@ -2,14 +2,17 @@
 
 Definitions, used the same way by the loop, the eval harness and the demo:
 
-- round: one target forward that emits tokens. The prefill is round 0 (it emits the first token), every later
-  target forward is one round, whether it verified draft tokens (a speculative round) or not (a plain round,
-  k = 0, "speculation off").
-- drafted / accepted: draft tokens sent to the target for verification / kept by it (see ``verify.py``).
+- round: one target forward that emits tokens, for one row. The prefill is round 0 (it emits the first token),
+  every later target forward is one round, whether it verified draft tokens (a speculative round) or not (a
+  plain round, k = 0, "speculation off"). With a batch of B rows a forward is B rounds (row-rounds);
+  ``forwards`` counts the forwards themselves.
+- drafted / accepted: draft tokens sent to the target for verification (every node of a trie) / kept by it
+  (see ``verify.py``). A round's draft length is the depth of its trie (a chain's length).
 - mean accepted length: ``new_tokens / rounds`` = tokens emitted per target forward, bonus/recovered token
   included; it equals ``1 + accepted / rounds`` when no stop truncated the last round. This is vLLM's
   "mean acceptance length" and the "compression ratio" of EAGLE and LookaheadDecoding. Plain decoding has 1.0.
-- acceptance per position i: of the rounds that drafted at least i tokens, the share that accepted the i-th.
+- acceptance per position i: of the rounds that drafted to depth i or deeper, the share that accepted a token at
+  depth i.
 - c (cost ratio): mean time of one draft forward / mean time of one plain target step.
 - v(n): mean time of a target forward over n new tokens / the same for one token, on this hardware.
 """
@@ -19,13 +22,17 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
+
+from .round import RoundOutcome
 
 
 @dataclass
 class SpecStats:
     mode: str = "speculative"
-    rounds: int = 0
+    rows: int = 1  # prompts decoded together (the batch size)
+    rounds: int = 0  # row-rounds: each target forward counts once per row it decoded
+    forwards: int = 0  # target forwards after the prefill
     new_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -41,35 +48,54 @@ class SpecStats:
     total_time_s: float = 0.0
     ttft_s: float | None = None
     verify_time_by_tokens: dict[int, list[float]] = field(default_factory=dict)
-    lookup_drafted: int = 0  # prompt-lookup tokens appended after the draft model's (SpecConfig.history_lookup)
+    lookup_drafted: int = 0  # draft tokens no draft model produced (prompt lookup, pool, recycling)
     lookup_accepted: int = 0
     fell_back: str | None = None  # why speculation was switched off for the rest of the call (e.g. out of memory)
 
-    # -- recording (called by the loop) ---------------------------------------------------------------------
-    def record_prefill(self, prefill_time: float, emitted: int) -> None:
-        self.rounds += 1
+    # -- recording ------------------------------------------------------------------------------------------
+    def record_prefill(self, seconds: float, emitted: int) -> None:
+        """Round 0: the target read the prompt and emitted its first token(s) in ``seconds``."""
+        self.rounds += self.rows
         self.new_tokens += emitted
-        self.prefill_time_s += prefill_time
-        self.round_log.append((0, emitted))
+        self.prefill_time_s += seconds
+        self.ttft_s = seconds if self.ttft_s is None else self.ttft_s
+        self.round_log.extend([(0, 1)] * self.rows)
 
-    def record_round(self, drafted: int, accepted: int, emitted: int, verify_tokens: int, verify_time: float) -> None:
+    def record(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """One round: one target forward over every active row (see ``round.RoundOutcome``). Per row: drafted =
+        its proposal's tokens (trie nodes), its draft length is its deepest path, positions are depths, lookup
+        tokens are those no draft model produced. A round of B rows counts B row-rounds in ``rounds``."""
+        first = outcomes[0]
+        self.forwards += 1
+        self.verify_time_s += first.verify_time
+        self.verify_time_by_tokens.setdefault(first.forward_tokens, []).append(first.verify_time)
+        self.draft_forwards += max(outcome.proposal.draft_forwards for outcome in outcomes)
+        for outcome in outcomes:
+            self._record_row(outcome)
+
+    def _record_row(self, outcome: RoundOutcome) -> None:
+        proposal = outcome.proposal
+        drafted, accepted, emitted = proposal.num_tokens, outcome.num_accepted, len(outcome.emitted)
+        depth = proposal.depth
         self.rounds += 1
         self.new_tokens += emitted
         self.drafted += drafted
         self.accepted += accepted
-        self.draft_length_hist[drafted] += 1
+        self.draft_length_hist[depth] += 1
         if drafted == 0:
             self.rounds_spec_off += 1
-        while len(self.drafted_per_position) < drafted:
+        while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
-        for i in range(drafted):
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             if i < accepted:
                 self.accepted_per_position[i] += 1
         self.round_log.append((min(accepted, emitted), emitted))
-        self.verify_time_s += verify_time
-        self.verify_time_by_tokens.setdefault(verify_tokens, []).append(verify_time)
+        self.draft_time_s += proposal.draft_time
+        from_lookup = [all(s.kind != "draft" for s in sources) for sources in proposal.sources]
+        self.lookup_drafted += sum(from_lookup)
+        self.lookup_accepted += sum(from_lookup[node] for node in outcome.accepted)
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property

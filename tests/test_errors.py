@@ -13,11 +13,6 @@ def model():
     return hf_specdec.enable(tiny_model("llama", seed=0))
 
 
-def test_batch_larger_than_one(model):
-    with pytest.raises(ValueError, match="batch size 1"):
-        model.generate(torch.ones(2, 4, dtype=torch.long), assistant_model=model, max_new_tokens=3)
-
-
 def test_beam_search(model, prompt):
     with pytest.raises(ValueError, match="beam search"):
         model.generate(prompt, assistant_model=model, num_beams=2, max_new_tokens=3)

@@ -44,3 +44,16 @@ def test_callable_without_enable_and_dict_output(prompt):
     for key in ("rounds", "drafted", "accepted", "mean_accepted_length", "acceptance_per_position",
                 "draft_length_hist", "draft_time_s", "verify_time_s", "cost_ratio_c", "rounds_spec_off"):
         assert key in data
+
+
+def test_prefill_time_is_reported_once(prompt):
+    """A call that only reads the prompt: its prefill cannot take longer than the whole call (it was counted
+    twice once, which made it twice the call)."""
+    model = tiny_model("llama", seed=0)
+    for kwargs in (dict(custom_generate=hf_specdec.speculative_generate, draft_model=model),
+                   dict(custom_generate=hf_specdec.lookahead_generate)):
+        model.generate(prompt, max_new_tokens=1, do_sample=False, **kwargs)
+        stats = model.last_spec_stats
+        assert stats.rounds == 1 and stats.new_tokens == 1
+        assert 0 < stats.prefill_time_s <= stats.total_time_s
+        assert stats.ttft_s == stats.prefill_time_s

@@ -1,29 +1,36 @@
-"""The lookahead layout: exact mask / position tensors, trie building, tree verification, window moves."""
+"""The round layout: exact mask / position tensors, trie merging, window moves (geometry only)."""
 
 import torch
 
-from hf_specdec.layout import (
-    Trie, accepted_input_index, advance_window, build_layout, build_trie, harvest_ngrams, to_model_mask, verify_tree,
-)
+from hf_specdec.layout import (advance_window, harvest_ngrams, is_plain_chain, merge_candidates, round_layout,
+                               stack_layouts, to_model_mask, window_inputs)
+from hf_specdec.round import Candidate, Proposal, Source
+
+POOL = ("pool", 0)
+
+
+def trie_of(*candidates, max_nodes=64, **fields):
+    return merge_candidates([Candidate(tuple(c), POOL) for c in candidates], max_nodes, **fields)
 
 
 def test_trie_merges_shared_prefixes_and_respects_the_node_budget():
-    trie = build_trie([[5, 6], [5, 7], [8], [9, 9, 9]], max_nodes=5)
-    assert trie == Trie(tokens=(5, 6, 7, 8, 9), parents=(-1, 0, 0, -1, -1), depths=(1, 2, 2, 1, 1))
+    trie = trie_of([5, 6], [5, 7], [8], [9, 9, 9], max_nodes=5)
+    assert (trie.tokens, trie.parents, trie.depths) == ((5, 6, 7, 8, 9), (-1, 0, 0, -1, -1), (1, 2, 2, 1, 1))
     assert trie.path(2) == [0, 2]
-    assert build_trie([[1, 2, 3], [1, 2, 3]], max_nodes=10).tokens == (1, 2, 3)  # duplicates cost nothing
-    assert len(build_trie([[1, 2, 3]], max_nodes=0)) == 0
+    assert trie.sources[0] == (Source("pool", 0, 1),)  # one source offered it twice: recorded once
+    assert trie_of([1, 2, 3], [1, 2, 3]).tokens == (1, 2, 3)  # duplicates cost nothing
+    assert trie_of([1, 2, 3], max_nodes=0).num_tokens == 0
 
 
 def test_exact_mask_and_positions_for_w2_n3_and_a_small_trie():
     # a) window W=2, N=3: rows[0] = [last=42, 10], rows[1] = [11, 12]
-    rows = torch.tensor([[42, 10], [11, 12]])
+    extra = window_inputs(torch.tensor([[42, 10], [11, 12]]))
     # b) trie: 5 -> {6, 7}, and 8 (G=3 candidates, 4 nodes)
-    trie = build_trie([[5, 6], [5, 7], [8]], max_nodes=8)
-    layout = build_layout(rows, trie, past_length=3)
+    trie = trie_of([5, 6], [5, 7], [8], extra=extra)
+    step = round_layout(trie, last_token=42)
 
-    assert layout.input_ids.tolist() == [[42, 10, 11, 12, 5, 6, 7, 8]]
-    assert layout.position_ids.tolist() == [[3, 4, 4, 5, 4, 5, 5, 4]]
+    assert step.input_ids.tolist() == [42, 10, 11, 12, 5, 6, 7, 8]
+    assert step.offsets.tolist() == [0, 1, 1, 2, 1, 2, 2, 1]
     expected_inner = torch.tensor([
         # L  a  b  c  5  6  7  8
         [1, 0, 0, 0, 0, 0, 0, 0],  # last token
@@ -35,22 +42,45 @@ def test_exact_mask_and_positions_for_w2_n3_and_a_small_trie():
         [1, 0, 0, 0, 1, 0, 1, 0],  # node 7 (child of 5, sibling of 6)
         [1, 0, 0, 0, 0, 0, 0, 1],  # node 8
     ], dtype=torch.bool)
-    assert layout.attention_mask.shape == (1, 1, 8, 3 + 8)
-    assert layout.attention_mask[0, 0, :, :3].all()  # everybody sees the cache
-    assert torch.equal(layout.attention_mask[0, 0, :, 3:], expected_inner)
-    assert layout.window_out_index.tolist() == [2, 3]
-    assert layout.trie_index.tolist() == [0, 4, 5, 6, 7]
-    assert accepted_input_index(trie, [0, 2], num_window_tokens=4) == [0, 4, 6]
+    assert torch.equal(step.inner, expected_inner)
+    # logits: the last token, the nodes, then the window's bottom row
+    assert step.logits_index.tolist() == [0, 4, 5, 6, 7, 2, 3]
+    assert step.read_rows.tolist() == [5, 6]
+    assert step.kept_inputs([0, 2]) == [0, 4, 6]
+
+
+def test_a_plain_chain_needs_no_mask_and_no_positions():
+    chain = Proposal.chain([5, 6, 7], [Source("draft", 0, i) for i in (1, 2, 3)])
+    assert is_plain_chain(chain) and is_plain_chain(chain.__class__())
+    step = round_layout(chain, last_token=4)
+    assert step.input_ids.tolist() == [4, 5, 6, 7] and step.offsets.tolist() == [0, 1, 2, 3]
+    assert step.inner is None
+    assert step.kept_inputs([0, 1]) == [0, 1, 2]
+    # the empty window reads the last token's own row, and is still a plain chain
+    empty = window_inputs(torch.tensor([[4]]))
+    with_window = Proposal.chain([5], [Source("pool", 0, 1)], extra=empty)
+    assert is_plain_chain(with_window) and round_layout(with_window, 4).read_rows.tolist() == [0]
+    assert not is_plain_chain(trie_of([5, 6], [5, 7]))
 
 
 def test_every_input_sees_a_path_of_consecutive_positions():
-    rows = torch.arange(12).reshape(3, 4)  # W=4, N=4
-    trie = build_trie([[1, 2, 3], [1, 4], [5, 6]], max_nodes=8)
-    layout = build_layout(rows, trie, past_length=0)
-    inner = layout.attention_mask[0, 0]
-    for i in range(layout.num_tokens):
-        seen = inner[i].nonzero().flatten()
-        assert layout.position_ids[0, seen].tolist() == list(range(len(seen))), i
+    extra = window_inputs(torch.arange(12).reshape(3, 4))  # W=4, N=4
+    trie = trie_of([1, 2, 3], [1, 4], [5, 6], extra=extra)
+    step = round_layout(trie, last_token=0)
+    for i in range(step.num_tokens):
+        seen = step.inner[i].nonzero().flatten()
+        assert step.offsets[seen].tolist() == list(range(len(seen))), i
+
+
+def test_stacked_rows_pad_with_inputs_that_see_only_themselves():
+    chain = round_layout(Proposal.chain([5, 6], [Source("draft", 0, 1), Source("draft", 0, 2)]), 4)
+    tree = round_layout(trie_of([7, 8], [7, 9]), 3)
+    batch = stack_layouts([chain, tree], pad_token=0)
+    assert batch.input_ids.tolist() == [[4, 5, 6, 0], [3, 7, 8, 9]]
+    assert batch.valid.tolist() == [[True, True, True, False], [True] * 4]
+    assert batch.inner[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    assert torch.equal(batch.inner[1], tree.inner)
+    assert stack_layouts([chain, chain]).inner is None and stack_layouts([chain, chain]).valid is None
 
 
 def test_model_masks_for_sdpa_and_eager():
@@ -64,17 +94,6 @@ def test_model_masks_for_sdpa_and_eager():
         assert "sdpa" in str(error)
     else:
         raise AssertionError("flash attention must be refused")
-
-
-def test_verify_tree_follows_the_target_through_the_trie():
-    trie = build_trie([[7, 8, 9], [7, 8, 5], [3, 4]], max_nodes=10)  # nodes: 7, 8, 9, 5, 3, 4
-    #                   root 7  8  9  5  3  4
-    assert verify_tree(trie, [7, 8, 9, 0, 0, 0, 0]) == ([0, 1, 2], 0)  # whole first candidate + bonus 0
-    assert verify_tree(trie, [7, 8, 5, 0, 2, 0, 0]) == ([0, 1, 3], 2)  # the sibling branch
-    assert verify_tree(trie, [3, 0, 0, 0, 0, 4, 6]) == ([4, 5], 6)  # second root child, to its leaf
-    assert verify_tree(trie, [7, 1, 0, 0, 0, 0, 0]) == ([0], 1)  # recovered token after one accepted
-    assert verify_tree(trie, [2, 0, 0, 0, 0, 0, 0]) == ([], 2)
-    assert verify_tree(Trie(), [11]) == ([], 11)
 
 
 def test_harvest_takes_ready_columns_only():

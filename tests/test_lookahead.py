@@ -8,9 +8,13 @@ import torch
 import hf_specdec
 from hf_specdec import cache as kv
 from hf_specdec.config import LookaheadConfig
-from hf_specdec.drafters.lookahead import (DepthAcceptance, LookaheadDrafter, LookaheadMemory, StepShape,
-                                           best_node_count, free_extra_tokens, rank_prefixes, window_shape)
-from hf_specdec.layout import accepted_input_index, build_layout, build_trie, to_model_mask, verify_tree
+from hf_specdec.costmodel import DecayedAcceptance, Estimates, best_count
+from hf_specdec.drafters.lookahead import LookaheadDrafter
+from hf_specdec.layout import merge_candidates, round_layout, stack_layouts, window_inputs
+from hf_specdec.memory import LookaheadMemory
+from hf_specdec.policy import TreePolicy, free_extra_tokens, rank_prefixes, window_shape
+from hf_specdec.round import Candidate, Offer, RoundOutcome, RowView
+from hf_specdec.verify import verify_tree_sampled
 from tests.conftest import tiny_model
 
 NEW = 40
@@ -115,21 +119,20 @@ def test_sampling_runs_and_is_reproducible_with_a_seed():
 def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
     model = tiny_model("llama")
     prompt = REPETITIVE[:, :-1]
-    cache = kv.new_cache(model)
-    kv.forward(model, prompt, cache)
+    cache = kv.RowCache(model, "sdpa")
+    cache.prefill(prompt, None)
     last = int(REPETITIVE[0, -1])
-    rows = torch.tensor([[last, 9, 10], [11, 12, 13]])  # W=3, N=3 window (its KV must be dropped)
-    trie = build_trie([[5, 6, 7], [5, 8], [4, 2]], max_nodes=8)
-    layout = build_layout(rows, trie, past_length=prompt.shape[1])
-    kv.forward(model, layout.input_ids, cache, num_logits=None, position_ids=layout.position_ids,
-               attention_mask=to_model_mask(layout.attention_mask, "sdpa", torch.float32))
-    accepted = [0, 3]  # the path 5 -> 8
-    kv.compact(cache, prompt.shape[1], torch.tensor(accepted_input_index(trie, accepted, num_window_tokens=6)))
+    extra = window_inputs(torch.tensor([[last, 9, 10], [11, 12, 13]]))  # W=3, N=3 window (its KV must be dropped)
+    trie = merge_candidates([Candidate(c, ("pool", 0)) for c in [(5, 6, 7), (5, 8), (4, 2)]], 8, extra=extra)
+    step = round_layout(trie, last)
+    cache.forward(stack_layouts([step]))
+    cache.keep([step.kept_inputs([0, 3])])  # the path 5 -> 8
 
     fresh = kv.new_cache(model)
     kv.forward(model, torch.cat([REPETITIVE, torch.tensor([[5, 8]])], dim=1), fresh)
-    assert cache.get_seq_length() == fresh.get_seq_length() == REPETITIVE.shape[1] + 2
-    for layer, fresh_layer in zip(cache.layers, fresh.layers):
+    assert cache.cache.get_seq_length() == fresh.get_seq_length() == REPETITIVE.shape[1] + 2
+    assert cache.dense and cache.lengths.tolist() == [REPETITIVE.shape[1] + 2]
+    for layer, fresh_layer in zip(cache.cache.layers, fresh.layers):
         torch.testing.assert_close(layer.keys, fresh_layer.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer.values, fresh_layer.values, atol=1e-5, rtol=1e-5)
 
@@ -138,7 +141,7 @@ def test_flash_attention_is_refused_up_front():
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"),
                             parameters=lambda: iter([torch.zeros(1)]))
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-        LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=10))
+        LookaheadDrafter(model, LookaheadConfig())
 
 
 def test_round_size_follows_expected_rate_and_measured_cost():
@@ -148,39 +151,42 @@ def test_round_size_follows_expected_rate_and_measured_cost():
     assert all(len(prefix) == 1 or prefix[:-1] in [p for p, _ in ranked[:i]] for i, (prefix, _) in enumerate(ranked))
     gains = [gain for _, gain in ranked]
     flat = lambda n: 1.0  # noqa: E731  (bf16 CPU / GPU: extra tokens almost free)
-    knee = lambda n: 1.0 if n <= 4 else 1.0 + 0.1 * (n - 4)  # noqa: E731  (this CPU: flat to 4, then rising)
-    steep = lambda n: float(n)  # noqa: E731  (fp32 CPU, large model: every token costs a full step)
-    assert best_node_count(gains, flat, max_nodes=63) == len(gains)
-    assert best_node_count(gains, flat, max_nodes=3) == 3
-    assert 3 <= best_node_count(gains, knee, max_nodes=63) < len(gains)
-    assert best_node_count(gains, steep, max_nodes=63) == 0  # speculating does not pay: a plain step
+    knee = lambda n: 1.0 if n <= 3 else 1.0 + 0.1 * (n - 3)  # noqa: E731  (flat to 4 inputs, then rising)
+    steep = lambda n: float(n + 1)  # noqa: E731  (fp32 CPU, large model: every token costs a full step)
+    assert best_count(gains, flat, 63) == len(gains)
+    assert best_count(gains, flat, 3) == 3
+    assert 3 <= best_count(gains, knee, 63) < len(gains)
+    assert best_count(gains, steep, 63) == 0  # speculating does not pay: a plain step
     # the window only takes tokens that keep the forward within the tolerance of its cost
-    assert free_extra_tokens(knee, used=2, limit=30, tolerance=0.15) == 3
-    assert free_extra_tokens(steep, used=1, limit=30, tolerance=0.15) == 0
+    assert free_extra_tokens(lambda n: 1.0 if n <= 4 else 1.0 + 0.1 * (n - 4), used=2, limit=30,
+                             tolerance=0.15) == 3
+    assert free_extra_tokens(lambda n: float(n), used=1, limit=30, tolerance=0.15) == 0
     assert window_shape(4) == (1, 2) and window_shape(31) == (10, 4)
 
 
 def test_window_gets_tokens_only_while_its_pool_pays():
-    model = tiny_model("llama")
-    drafter = LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=model.config.vocab_size))
+    config, estimates = LookaheadConfig(), Estimates()
+    policy = TreePolicy(config, estimates)
+    view = RowView(0, torch.arange(10), 8)
+
+    def plan():
+        return policy.plan([view], [Offer()])[0]
+
     for size, seconds in [(1, 1.0), (8, 1.05), (16, 1.1), (32, 1.2)]:  # extra tokens cost a little
-        drafter.cost.observe(size, seconds)
-    _, shape = drafter._plan([], past_length=10)
-    assert shape.window > 1  # optimistic prior: the window is tried
-    drafter.round_tokens.update(1.2)
-    drafter.pool_gain.update(0.0)  # its n-grams never added a token beyond prompt lookup
-    _, shape = drafter._plan([], past_length=10)
-    assert shape == StepShape(1, 2)
-    drafter.pool_gain.update(0.6)  # now they do: worth up to 15% more per forward
-    _, shape = drafter._plan([], past_length=10)
-    assert shape.window > 1
-    # every `remeasure_interval` rounds without a trie, one plain step keeps t(1) fresh
-    shapes = [drafter._plan([], past_length=10)[1] for _ in range(drafter.remeasure_interval)]
-    assert shapes.count(StepShape(1, 2)) == 1
+        estimates.forward.observe(size, seconds)
+    assert plan().window[0] > 1  # optimistic prior: the window is tried
+    estimates.ema("round_tokens").update(1.2)
+    estimates.ema("pool_gain").update(0.0)  # its n-grams never added a token beyond prompt lookup
+    assert plan().window == (1, 2)
+    estimates.ema("pool_gain").update(0.6)  # now they do: worth up to 15% more per forward
+    assert plan().window[0] > 1
+    # every `remeasure_interval` rounds without a trie, one plain step keeps t(1), the reference, fresh
+    plans = [plan() for _ in range(config.remeasure_interval)]
+    assert sum(plan.is_plain for plan in plans) == 1
 
 
 def test_depth_acceptance_learns_per_depth():
-    rates = DepthAcceptance(prior=0.3, max_depth=4)
+    rates = DecayedAcceptance(prior=0.3, decay=0.98, slots=4)
     for _ in range(50):
         rates.observe(judged=3, accepted=2)  # the first two tokens accepted, the third rejected
     assert rates.rate(1) > 0.9 and rates.rate(2) > 0.9 and rates.rate(3) < 0.1
@@ -189,19 +195,21 @@ def test_depth_acceptance_learns_per_depth():
 
 def test_alternative_continuations_are_learned_apart_from_the_first():
     model = tiny_model("llama")
-    drafter = LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=model.config.vocab_size))
-    committed = torch.tensor([9, 1, 2, 9, 1, 3, 9, 1, 4, 9, 1])  # "9 1" was followed by 4, 3 and 2
-    drafter.prefill(committed[None])
-    found = drafter._candidates(committed, depth=1)
-    assert found == [((4,), ("history", 2)), ((3,), ("history_alt", 2)), ((2,), ("history_alt", 2))]
+    drafter = LookaheadDrafter(model, LookaheadConfig())
+    policy = TreePolicy(LookaheadConfig(), Estimates())
+    view = RowView(0, torch.tensor([9, 1, 2, 9, 1, 3, 9, 1, 4, 9, 1]), 1)  # "9 1" was followed by 4, 3 and 2
+    drafter.prefill(view)
+    offer = drafter.offer(view)
+    assert offer.candidates == (Candidate((4,), ("history", 2)), Candidate((3,), ("history_alt", 2)),
+                                Candidate((2,), ("history_alt", 2)))
+    proposal = merge_candidates(offer.candidates, 8)
     for _ in range(20):  # the target always takes the first continuation
-        drafter.judging = found
-        drafter.num_committed = len(committed)
-        drafter._learn(torch.cat([committed, torch.tensor([4, 7])]))
-    first, alternative = drafter.acceptance[("history", 2)], drafter.acceptance[("history_alt", 2)]
+        policy.observe([RoundOutcome(proposal, accepted=(0,), next_token=7, emitted=(4, 7), start_length=11,
+                                     forward_tokens=4, verify_time=0.1)])
+    first, alternative = policy.acceptance(("history", 2)), policy.acceptance(("history_alt", 2))
     assert first.rate(1) > 0.85 and alternative.rate(1) < 0.1
     # so a trie of alternatives is not credited with more tokens than one can give
-    ranked = rank_prefixes([(tokens, [drafter.acceptance[source].rate(1)]) for tokens, source in found])
+    ranked = rank_prefixes([(c.tokens, [policy.acceptance(c.source).rate(1)]) for c in offer.candidates])
     assert sum(gain for _, gain in ranked) < 1.0
 
 
@@ -214,15 +222,14 @@ def test_config_validation():
 
 def test_verify_tree_with_sampled_targets_is_lossless_for_the_first_token():
     # one candidate per root child; the emitted first token is the target's own sample whatever the trie holds
-    trie = build_trie([[1, 2], [3]], max_nodes=4)
+    trie = merge_candidates([Candidate((1, 2), ("pool", 0)), Candidate((3,), ("pool", 0))], 4)
     generator = torch.Generator().manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
     counts = torch.zeros(4)
     for _ in range(4000):
-        targets = torch.multinomial(probs.expand(1 + len(trie), 4), 1, generator=generator)[:, 0].tolist()
-        accepted, next_token = verify_tree(trie, targets)
-        first = trie.tokens[accepted[0]] if accepted else next_token
-        counts[first] += 1
+        verdict = verify_tree_sampled(trie.tokens, trie.parents, None, probs.expand(1 + trie.num_tokens, 4),
+                                      torch.rand(trie.num_tokens, generator=generator))
+        counts[trie.tokens[verdict.accepted[0]] if verdict.accepted else verdict.next_token] += 1
     assert torch.allclose(counts / counts.sum(), probs, atol=0.03)
 
 
@@ -234,7 +241,7 @@ def test_memory_makes_a_repeated_request_cheap_and_keeps_output_exact():
     first = lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory=memory)
     first_stats = model.last_spec_stats
     assert first_stats.draft_length_hist[0] >= 1  # cold: the first round is a plain step that measures t(1)
-    assert memory.corpus.tokens[: RANDOM.shape[1]] == RANDOM[0].tolist() and memory.cost.measured(1)
+    assert memory.corpus.tokens[: RANDOM.shape[1]] == RANDOM[0].tolist() and memory.estimates.forward.measured(1)
     second = lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory=memory)
     second_stats = model.last_spec_stats
     assert torch.equal(first, expected) and torch.equal(second, expected)
@@ -271,7 +278,7 @@ def test_memory_is_bounded_and_validated():
     assert memory.corpus.tokens == [7, 100, 101, 102, 103]
     assert memory.corpus.matches(max_len=2, limit=4, suffix=[100], suffix_only=True) == [((101, 102), 1)]
     memory.clear()
-    assert memory.corpus.tokens == [] and not memory.cost.measured(1)
+    assert memory.corpus.tokens == [] and not memory.estimates.forward.measured(1)
     with pytest.raises(ValueError, match="max_tokens"):
         LookaheadMemory(max_tokens=0)
     model = tiny_model("llama")
@@ -295,10 +302,9 @@ def test_memory_keeps_the_newest_top_choices_after_each_token():
 
 def test_recycled_candidates_chain_each_top_choice_by_the_top_choice_after_it():
     model = tiny_model("llama")
-    drafter = LookaheadDrafter(model, LookaheadConfig(), SimpleNamespace(vocab_size=model.config.vocab_size))
+    drafter = LookaheadDrafter(model, LookaheadConfig(recycle_branches=3, recycle_second=1))
     drafter.memory.recycle(torch.tensor([5, 6, 7, 9]), torch.tensor([[6, 7, 9, 1], [9, 2, 3, 4], [8, 2, 3, 4],
                                                                       [5, 2, 3, 4]]))
-    drafter.recycle_branches, drafter.recycle_second = 3, 1
     found = drafter._recycled(5, depth=4)
     # after 5 the target chose 6 (then 7, 9); 6 -> 9 -> 5 -> 6 ...; 7 -> 8 (8 never read: the chain stops);
     # and through the second choice after 6 (2, never read)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.drafters.base import Proposal
+from hf_specdec.round import Offer, Proposal, Source
 from tests.conftest import perturbed_copy, tiny_model
 
 POLICIES = ["fixed", "heuristic", "adaptive"]
@@ -54,17 +54,21 @@ class ScriptedDrafter:
     def __init__(self, reference: torch.LongTensor, right: int, k: int):
         self.reference, self.right, self.k = reference[0], right, k
 
-    def prefill(self, prompt_ids):
-        return 0.0
+    def prefill(self, views):
+        pass
 
-    def propose(self, committed_ids, max_tokens, keep_drafting):
-        start = committed_ids.shape[1]
-        truth = self.reference[start: start + max_tokens]
-        tokens = truth.clone()
+    def offer(self, views):
+        return [Offer(model_tokens=view.budget) for view in views]
+
+    def propose(self, views, plans):
+        (view,), (plan,) = views, plans
+        start = view.ids.shape[0]
+        tokens = self.reference[start: start + plan.model_tokens].clone()
         tokens[self.right:] = (tokens[self.right:] + 1) % 96  # wrong from position right+1 on
-        return Proposal(tokens, None, 0.0, len(tokens))
+        return [Proposal.chain(tokens.tolist(), [Source("draft", 0, i + 1) for i in range(len(tokens))],
+                               draft_forwards=len(tokens))]
 
-    def rollback(self, num_valid):
+    def update(self, outcomes):
         pass
 
     def release(self):
@@ -137,19 +141,21 @@ def test_narrow_draft_head_keeps_output(target, close_draft, prompt, draft_vocab
 
 
 def test_narrow_draft_head_only_proposes_kept_tokens(target, close_draft, prompt):
-    from hf_specdec.drafters.draft_model import DraftModelDrafter
     from transformers import LogitsProcessorList
 
-    drafter = DraftModelDrafter(close_draft, LogitsProcessorList(), do_sample=True, vocab_size=96,
-                                need_confidence=False, draft_vocab_size=20)
-    drafter.prefill(prompt)
+    from hf_specdec.drafters.draft_model import DraftModelDrafter
+    from hf_specdec.round import RoundPlan, RowView
+
+    drafter = DraftModelDrafter(close_draft, LogitsProcessorList(), do_sample=True, vocab_size=96, draft_vocab_size=20)
+    view = RowView(0, prompt[0], 6)
+    drafter.prefill([view])
     kept = set(range(20)) | set(prompt[0].tolist())
     for _ in range(5):
-        proposal = drafter.propose(prompt, 6, lambda i, c: True)
-        assert set(proposal.token_ids.tolist()) <= kept
+        (proposal,) = drafter.propose([view], [RoundPlan(model_tokens=6, max_tokens=6)])
+        assert proposal.num_tokens == 6 and set(proposal.tokens) <= kept
         outside = [t for t in range(96) if t not in kept]
         assert float(proposal.draft_probs[:, outside].sum()) == 0.0
-        drafter.rollback(prompt.shape[1] - 1)
+        drafter.cache.truncate(torch.tensor([prompt.shape[1] - 1]))  # as if nothing was accepted
 
 
 def test_history_lookup_appends_repeated_text_and_keeps_output():

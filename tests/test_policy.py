@@ -1,41 +1,66 @@
-"""Draft-length policies, fed made-up measurements."""
+"""Draft-length policies, fed made-up measurements (no model, no clock: the costs are injected)."""
 
 from hf_specdec.config import SpecConfig
 from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy, speedup_bound
+import torch
+
+from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source
+
+OFFER = Offer(model_tokens=64)
 
 
-def feed(policy, rounds, k, accepted, t_draft, t_verify, plain_step=None):
-    """Simulate rounds that draft k tokens and accept `accepted` (cost: t_draft per draft forward, t_verify(n))."""
+def plan(policy, budget, offer=OFFER):
+    """One row's plan (the policies plan every row of a batch at once)."""
+    return policy.plan([RowView(0, torch.arange(10), budget)], [offer])[0]
+
+
+def observe(policy, outcome):
+    policy.observe([outcome])
+
+
+def chain(k, lookup=0, confidences=None, t_draft=0.0):
+    sources = [Source("draft", 0, i) for i in range(1, k + 1)] + [Source("lookup", 0, j) for j in range(1, lookup + 1)]
+    return Proposal.chain(range(10, 10 + k + lookup), sources, confidences=tuple(confidences or [0.9] * k),
+                          draft_time=k * t_draft, draft_forwards=k)
+
+
+def outcome(proposal, accepted, seconds):
+    return RoundOutcome(proposal, accepted=tuple(range(accepted)), next_token=0, emitted=(0,) * (accepted + 1),
+                        start_length=10, forward_tokens=proposal.num_tokens + 1, verify_time=seconds)
+
+
+def feed(policy, rounds, k, accepted, t_draft, t_verify, plain_step=None, confidences=None):
+    """Rounds that draft k tokens and accept `accepted` (cost: t_draft per draft forward, t_verify(n))."""
     if plain_step is not None:
-        policy.observe(0, 0, 0.0, 0, 1, plain_step)
+        observe(policy, outcome(Proposal(), 0, plain_step))
     for _ in range(rounds):
-        policy.next_k(64)
-        policy.observe(k, accepted, k * t_draft, k, k + 1, t_verify(k + 1))
+        plan(policy, 64, OFFER)
+        observe(policy, outcome(chain(k, confidences=confidences, t_draft=t_draft), accepted, t_verify(k + 1)))
 
 
 def test_fixed():
     policy = FixedPolicy(5)
-    assert policy.next_k(10) == 5 and policy.next_k(3) == 3
+    assert plan(policy, 10, OFFER).model_tokens == 5 and plan(policy, 3, OFFER).model_tokens == 3
 
 
 def test_heuristic_is_transformers_rule_without_the_empty_round_quirk():
     policy = HeuristicPolicy(5, max_k=12)
-    policy.observe(5, 5, 0, 5, 6, 0)
-    assert policy.next_k(64) == 7
-    policy.observe(7, 2, 0, 7, 8, 0)
-    assert policy.next_k(64) == 6
-    policy.observe(0, 0, 0, 0, 1, 0)  # a round that drafted nothing changes nothing
-    assert policy.next_k(64) == 6
+    observe(policy, outcome(chain(5), 5, 0.1))
+    assert plan(policy, 64, OFFER).model_tokens == 7
+    observe(policy, outcome(chain(7), 2, 0.1))
+    assert plan(policy, 64, OFFER).model_tokens == 6
+    observe(policy, outcome(Proposal(), 0, 0.1))  # a round that drafted nothing changes nothing
+    assert plan(policy, 64, OFFER).model_tokens == 6
     for _ in range(10):
-        policy.observe(1, 0, 0, 1, 2, 0)
-    assert policy.next_k(64) == 1
+        observe(policy, outcome(chain(1), 0, 0.1))
+    assert plan(policy, 64, OFFER).model_tokens == 1
 
 
 def test_adaptive_measures_a_plain_step_first():
     policy = AdaptivePolicy(SpecConfig())
-    assert policy.next_k(10) == 0
-    policy.observe(0, 0, 0, 0, 1, 0.1)
-    assert policy.next_k(10) == SpecConfig().num_draft_tokens
+    assert plan(policy, 10, OFFER).is_plain
+    observe(policy, outcome(Proposal(), 0, 0.1))
+    assert plan(policy, 10, OFFER).model_tokens == SpecConfig().num_draft_tokens
 
 
 def flat(n):
@@ -47,9 +72,9 @@ def steep(n):
 
 
 def test_adaptive_long_drafts_when_cheap_and_accepted():
-    policy = AdaptivePolicy(SpecConfig())
+    policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
     feed(policy, 30, 8, 8, t_draft=0.01, t_verify=flat, plain_step=0.1)
-    assert policy.next_k(12) >= 8
+    assert plan(policy, 12, OFFER).model_tokens >= 8
 
 
 def test_adaptive_shorter_drafts_when_verification_is_expensive():
@@ -57,19 +82,19 @@ def test_adaptive_shorter_drafts_when_verification_is_expensive():
     cheap, costly = AdaptivePolicy(config), AdaptivePolicy(config)
     feed(cheap, 30, 6, 4, t_draft=0.02, t_verify=flat, plain_step=0.1)
     feed(costly, 30, 6, 4, t_draft=0.02, t_verify=steep, plain_step=0.1)
-    assert costly.next_k(12) < cheap.next_k(12)
+    assert 0 < plan(costly, 12, OFFER).model_tokens < plan(cheap, 12, OFFER).model_tokens
 
 
 def test_adaptive_turns_off_when_it_does_not_pay_and_probes_later():
     config = SpecConfig(probe_interval=5)
     policy = AdaptivePolicy(config)
     feed(policy, 30, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # nothing accepted, draft half a step
-    assert policy.next_k(12) == 0
+    assert plan(policy, 12, OFFER).is_plain
     for _ in range(config.probe_interval):
-        policy.observe(0, 0, 0.0, 0, 1, 0.1)
-    assert policy.next_k(12) > 0  # probe
-    policy.observe(1, 0, 0.05, 1, 2, 0.1)
-    assert policy.next_k(12) == 0
+        observe(policy, outcome(Proposal(), 0, 0.1))
+    assert plan(policy, 12, OFFER).model_tokens > 0  # probe
+    observe(policy, outcome(chain(1, t_draft=0.05), 0, 0.1))
+    assert plan(policy, 12, OFFER).is_plain
 
 
 def test_confident_rounds_run_longer_when_verification_is_cheap():
@@ -78,24 +103,33 @@ def test_confident_rounds_run_longer_when_verification_is_cheap():
     for t_verify in (flat, steep):
         policy = AdaptivePolicy(SpecConfig())
         feed(policy, 30, 6, 5, t_draft=0.02, t_verify=t_verify, plain_step=0.1)
-        cap = policy.next_k(16)
-        drafted = 1
-        while drafted < cap and policy.keep_drafting(drafted, 0.9):
-            drafted += 1
-        lengths.append(drafted)
+        round_plan = plan(policy, 16, OFFER)
+        confidences = [0.9]
+        while len(confidences) < round_plan.model_tokens and round_plan.rule.keep_drafting(confidences):
+            confidences.append(0.9)
+        lengths.append(len(confidences))
     assert lengths[0] > lengths[1]
 
 
 def test_confidence_stop():
     policy = AdaptivePolicy(SpecConfig())
-    feed(policy, 20, 6, 6, t_draft=0.02, t_verify=flat, plain_step=0.1)
-    policy.next_k(12)
-    assert policy.keep_drafting(1, 0.99)
-    assert not policy.keep_drafting(2, 0.02)  # a token the draft itself doubts: the chain likely ends here
+    feed(policy, 20, 6, 6, t_draft=0.02, t_verify=flat, plain_step=0.1, confidences=[0.99] * 6)
+    rule = plan(policy, 12, OFFER).rule
+    assert rule.keep_drafting([0.99])
+    assert not rule.keep_drafting([0.99, 0.02])  # a token the draft itself doubts: the chain likely ends here
+
+
+def test_confidence_is_calibrated_by_what_the_target_kept():
+    """A draft that is confident but wrong: its 0.95 comes to mean far less than 0.95."""
+    policy = AdaptivePolicy(SpecConfig())
+    before = policy.rule().calibrated(0.95)
+    feed(policy, 30, 4, 0, t_draft=0.02, t_verify=flat, plain_step=0.1, confidences=[0.95] * 4)
+    assert before > 0.9 and policy.rule().calibrated(0.95) < 0.2
 
 
 def test_make_policy():
     assert isinstance(make_policy(SpecConfig(policy="fixed")), FixedPolicy)
+    assert isinstance(make_policy(SpecConfig(policy="heuristic")), HeuristicPolicy)
     assert isinstance(make_policy(SpecConfig()), AdaptivePolicy)
 
 
@@ -110,11 +144,21 @@ def test_lookup_tokens_follow_their_measured_acceptance():
     good, bad = AdaptivePolicy(SpecConfig()), AdaptivePolicy(SpecConfig())
     for policy, kept in ((good, 8), (bad, 0)):
         feed(policy, 20, 4, 4, t_draft=0.02, t_verify=steep, plain_step=0.1)
-        for _ in range(20):
-            policy.observe_lookup(8, kept)
-        policy.next_k(16)
-        for i in range(1, 5):
-            policy.keep_drafting(i, 0.95)
-    assert good.free_tokens(5, 16) >= 4
-    assert bad.free_tokens(5, 16) == 0
-    assert FixedPolicy(4).free_tokens(5, 16) == 0
+        for _ in range(20):  # rounds whose 4 draft tokens were kept, and `kept` of 8 lookup tokens after them
+            observe(policy, outcome(chain(4, lookup=8, t_draft=0.02), 4 + kept, steep(13)))
+    assert plan(good, 16, OFFER).rule.lookup_tokens([0.95] * 4) >= 4
+    assert plan(bad, 16, OFFER).rule.lookup_tokens([0.95] * 4) == 0
+    assert plan(FixedPolicy(4), 16).rule is None  # fixed k: no lookup tail
+
+
+def test_lookup_only_round_when_the_history_beats_the_draft():
+    """An edit that copies its input: once lookup tokens prove always right, a round verifies the history's
+    continuation without a draft forward, although the draft is good too."""
+    policy = AdaptivePolicy(SpecConfig())
+    feed(policy, 10, 4, 4, t_draft=0.01, t_verify=flat, plain_step=0.1)
+    offer = Offer(candidates=(Candidate(tuple(range(20)), ("lookup", 0)),), model_tokens=64)
+    assert plan(policy, 16, offer).model_tokens > 0  # the lookup's acceptance is unknown yet: its prior is 0.5
+    for _ in range(10):
+        observe(policy, outcome(Proposal.chain(range(10), [Source("lookup", 0, j) for j in range(1, 11)]), 10, 0.1))
+    round_plan = plan(policy, 16, offer)
+    assert round_plan.model_tokens == 0 and round_plan.candidates[0].tokens == tuple(range(policy.LEADING_LOOKUP))

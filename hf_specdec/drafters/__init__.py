@@ -1,4 +1,1 @@
-from .base import Drafter, Proposal
-from .draft_model import DraftModelDrafter
-
-__all__ = ["Drafter", "Proposal", "DraftModelDrafter"]
+"""Drafters: who proposes the guesses (``base.Drafter``). Import them from their modules."""

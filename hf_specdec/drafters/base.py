@@ -1,50 +1,164 @@
 """The drafter seam: who proposes tokens for the target to verify.
 
-A drafter is shaped like transformers' ``CandidateGenerator``: ``propose`` hands the loop a ``Proposal``,
-``rollback`` tells it how much of what it proposed the target kept. Drafters never decide acceptance
-(``verify.py`` does) nor draft length (``policy.py`` does); they only propose, and keep their own state
-(a KV cache, an n-gram pool) in step with the committed tokens.
+A drafter is shaped like transformers' ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``),
+with one step more, because sizing belongs to the policy and the policy must see what there is to size. It
+works on the rows of a batch (one row for one prompt), each seen as a ``round.RowView``:
+
+``prefill(views)``           new sequences start (their ids include the first new token);
+``offer(views)``             per row, what it could propose without running a model (``round.Offer``);
+``propose(views, plans)``    per row, the guesses the policy's ``RoundPlan`` asks for (``round.Proposal``);
+``update(outcomes)``         per row, the round's ``RoundOutcome``, so it keeps its state in step (a row whose
+                             outcome is ``finished`` is gone from the next round);
+``release()``                drop all state (caches) to free memory; it is not used again.
+
+Drafters never decide acceptance (``verify.py``) nor sizes (``policy.py``): a plan is a value they follow. A
+drafter that serves one row at a time (``RowDrafter``: the same methods over one view / plan / outcome) is
+run per row by ``PerRow``; ``ChainDrafter`` puts prompt lookup after a draft model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+import dataclasses
+import time
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..layout import TreeProposal
-
-KeepDrafting = Callable[[int, float], bool]  # (num_drafted, confidence of the last draft token) -> continue?
-
-
-@dataclass
-class Proposal:
-    token_ids: torch.LongTensor  # [k] draft tokens, in order
-    draft_probs: torch.Tensor | None = None  # [k, vocab] the distribution each token was sampled from; None = deterministic
-    draft_time: float = 0.0  # seconds spent proposing (draft forwards, lookups)
-    draft_forwards: int = 0  # draft-model forwards run for this proposal
-    num_lookup_tokens: int = 0  # trailing tokens appended from prompt lookup (not chosen by the draft-length policy)
-    # lookahead: a candidate trie plus Jacobi-window tokens, with their 4-D mask and position ids
-    # (layout.py). The loop then verifies the trie instead of the chain ``token_ids``, and calls the
-    # drafter's ``observe_forward(window_tokens [W], num_tokens, seconds, inputs [R], top_next [R, K])`` after
-    # the forward (K = the drafter's ``recycle_width``: the target's top choices after each input it computed).
-    tree: TreeProposal | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
 
 
 class Drafter(Protocol):
-    def prefill(self, prompt_ids: torch.LongTensor) -> float:
-        """Prepare for a new sequence (``prompt_ids``: [1, L]); return the seconds it took."""
+    def prefill(self, views: Sequence[RowView]) -> None: ...
 
-    def propose(self, committed_ids: torch.LongTensor, max_tokens: int, keep_drafting: KeepDrafting) -> Proposal:
-        """Propose up to ``max_tokens`` tokens to follow ``committed_ids`` ([1, L])."""
+    def offer(self, views: Sequence[RowView]) -> list[Offer]: ...
 
-    def rollback(self, num_valid: int) -> None:
-        """The first ``num_valid`` tokens of (committed + proposal) are now committed: forget the rest."""
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]: ...
+
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RowDrafter(Protocol):
+    def prefill(self, view: RowView) -> None: ...
+
+    def offer(self, view: RowView) -> Offer: ...
+
+    def propose(self, view: RowView, plan: RoundPlan) -> Proposal: ...
+
+    def update(self, outcome: RoundOutcome) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class NoDrafter:
+    """Proposes nothing: every round is a plain step (after a drafter ran out of memory, say)."""
+
+    def prefill(self, views: Sequence[RowView]) -> None:
+        pass
+
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        return [Offer() for _ in views]
+
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        return [Proposal() for _ in views]
+
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
+        pass
 
     def release(self) -> None:
-        """Drop all state (caches) to free memory; the drafter is not used again."""
+        pass
+
+
+class PerRow:
+    """One ``RowDrafter`` per row, made by ``make()`` when the row starts and released when it finishes."""
+
+    def __init__(self, make: Callable[[], RowDrafter]) -> None:
+        self.make = make
+        self.drafters: dict[int, RowDrafter] = {}
+
+    def prefill(self, views: Sequence[RowView]) -> None:
+        for view in views:
+            self.drafters[view.row] = drafter = self.make()
+            drafter.prefill(view)
+
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        return [self.drafters[view.row].offer(view) for view in views]
+
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        return [self.drafters[view.row].propose(view, plan) for view, plan in zip(views, plans)]
+
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
+        for outcome in outcomes:
+            drafter = self.drafters[outcome.row]
+            drafter.update(outcome)
+            if outcome.finished:
+                drafter.release()
+                del self.drafters[outcome.row]
+
+    def release(self) -> None:
+        for drafter in self.drafters.values():
+            drafter.release()
+        self.drafters.clear()
+
+
+class ChainDrafter:
+    """A draft model's chain, then prompt lookup: the tokens that followed the chain's end earlier in the text.
+
+    ``lookup`` (a ``PerRow`` of ``PromptLookupDrafter``) offers its continuation of each row's committed tokens
+    (the policy may verify it alone, without a draft forward); after the model's tokens it appends as many
+    tokens of the continuation of committed + drafted as the plan's rule allows. Lookup tokens are
+    deterministic drafts: one-hot rows when the model's tokens were sampled.
+    """
+
+    def __init__(self, model: Drafter, lookup: PerRow | None = None) -> None:
+        self.model, self.lookup = model, lookup
+        self.parts = tuple(part for part in (model, lookup) if part is not None)
+
+    def prefill(self, views: Sequence[RowView]) -> None:
+        for part in self.parts:
+            part.prefill(views)
+
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        model = self.model.offer(views)
+        if self.lookup is None:
+            return model
+        return [dataclasses.replace(offer, candidates=leading.candidates)
+                for offer, leading in zip(model, self.lookup.offer(views))]
+
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        drafted = self.model.propose(views, plans)
+        return [self._with_lookup(view, plan, chain) for view, plan, chain in zip(views, plans, drafted)]
+
+    def _with_lookup(self, view: RowView, plan: RoundPlan, drafted: Proposal) -> Proposal:
+        if self.lookup is None:
+            return drafted
+        lookup = self.lookup.drafters[view.row]
+        if plan.model_tokens == 0:  # a lookup-only round (or a plain step)
+            return lookup.propose(view, plan) if plan.candidates else drafted
+        room = plan.max_tokens - drafted.num_tokens
+        if plan.rule is None or room <= 0 or not drafted.num_tokens:
+            return drafted
+        start = time.perf_counter()
+        limit = min(room, plan.rule.lookup_tokens(drafted.confidences))
+        tail = lookup.continuation(drafted.tokens, limit) if limit > 0 else ()
+        seconds = drafted.draft_time + time.perf_counter() - start
+        if not tail:
+            return dataclasses.replace(drafted, draft_time=seconds)
+        draft_probs = drafted.draft_probs
+        if draft_probs is not None:
+            one_hot = torch.nn.functional.one_hot(torch.tensor(tail), draft_probs.shape[1])
+            draft_probs = torch.cat([draft_probs, one_hot.to(draft_probs)])
+        return Proposal.chain(
+            drafted.tokens + tail,
+            [sources[0] for sources in drafted.sources] + [Source("lookup", 0, j) for j in range(1, len(tail) + 1)],
+            draft_probs, confidences=drafted.confidences, draft_time=seconds,
+            draft_forwards=drafted.draft_forwards)
+
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
+        for part in self.parts:
+            part.update(outcomes)
+
+    def release(self) -> None:
+        for part in self.parts:
+            part.release()

@@ -16,23 +16,22 @@ Two savings that leave the output unchanged (the target verifies every token):
   scores only the first ``draft_vocab_size`` token ids (BPE ids are roughly ordered by frequency), the prompt's
   tokens and the special tokens; everything else gets probability 0 in the draft, which rejection sampling
   handles exactly.
-- Prompt lookup after the draft. When the draft's tokens continue something already seen in the prompt or the
-  output, the tokens that followed it there are appended without any draft forward, as many as the policy's
-  expected-rate rule says pay for their extra verify time (it learns how often such tokens are accepted).
-  They are deterministic drafts (one-hot ``draft_probs``).
+- Prompt lookup after the draft (``base.ChainDrafter`` with ``prompt_lookup.PromptLookupDrafter``): when the
+  draft's tokens continue something already seen in the prompt or the output, the tokens that followed it there
+  are appended without any draft forward, as many as the policy's rule says pay for their extra verify time.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Sequence
 
 import torch
 from transformers import LogitsProcessorList
 
 from .. import cache as kv
-from .base import KeepDrafting, Proposal
-from .ngram_pool import HistoryIndex
+from ..layout import RoundLayout, stack_layouts
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
 
 
 class SubVocabHead:
@@ -40,7 +39,6 @@ class SubVocabHead:
 
     def __init__(self, model, token_ids: torch.LongTensor, vocab_size: int) -> None:
         head = model.get_output_embeddings()
-        self.base = getattr(model, model.base_model_prefix)
         self.token_ids = token_ids
         self.weight = head.weight.detach().index_select(0, token_ids.to(head.weight.device))  # [S, hidden]
         self.bias = None if head.bias is None else head.bias.detach().index_select(0, token_ids)
@@ -56,17 +54,17 @@ class SubVocabHead:
             and getattr(model, model.base_model_prefix, None) is not None
         )
 
-    def forward(self, input_ids: torch.LongTensor, cache) -> torch.Tensor:
-        """Like ``cache.forward(model, ..., num_logits=1)``: float logits [1, vocab], -inf outside the subset."""
-        hidden = kv.forward_hidden(self.base, input_ids, cache)[-1:]  # [1, hidden]
-        sub_logits = torch.nn.functional.linear(hidden, self.weight, self.bias).float()  # [1, S]
-        logits = torch.full((1, self.vocab_size), float("-inf"), device=sub_logits.device)
-        logits[:, self.token_ids] = sub_logits
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, n, H] -> float logits [B, n, vocab], -inf outside the subset."""
+        sub_logits = torch.nn.functional.linear(hidden, self.weight, self.bias).float()  # [B, n, S]
+        logits = torch.full((*hidden.shape[:2], self.vocab_size), float("-inf"), device=sub_logits.device)
+        logits[..., self.token_ids] = sub_logits
         return logits
 
 
 class DraftModelDrafter:
-    LEADING_LOOKUP = 10  # longest continuation a lookup-only round verifies (transformers' prompt lookup uses 10)
+    """Drafts a chain per row with a small causal LM that keeps its own KV cache (a ``cache.RowCache``) across
+    rounds; all rows draft in one batched forward per step (module docstring)."""
 
     def __init__(
         self,
@@ -75,122 +73,120 @@ class DraftModelDrafter:
         *,
         do_sample: bool,
         vocab_size: int,  # the vocabulary shared with the target (smaller of the two when one is padded)
-        need_confidence: bool,
-        generator: torch.Generator | None = None,
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
-        free_tokens: Callable[[int, int], int] | None = None,  # policy.free_tokens: how many lookup tokens to append
-        prefer_lookup: Callable[[int], bool] | None = None,  # policy.prefer_lookup: a lookup-only round instead?
+        pad_token_id: int = 0,
     ) -> None:
         self.model = draft_model
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.vocab_size = vocab_size
-        self.need_confidence = need_confidence
-        self.generator = generator
         self.draft_vocab_size = draft_vocab_size
         self.special_token_ids = special_token_ids
-        self.free_tokens = free_tokens
-        self.prefer_lookup = prefer_lookup or (lambda num_lookup: False)
-        self.cache = kv.new_cache(draft_model)
-        self.num_cached = 0  # committed tokens whose KV is in self.cache
+        self.pad_token_id = pad_token_id
         self.device = next(draft_model.parameters()).device
-        self.head: SubVocabHead | None = None
-        self.history: HistoryIndex | None = HistoryIndex(max_match=3) if free_tokens is not None else None
+        self.cache: kv.RowCache | None = None
+        self.rows: list[int] = []  # the batch rows held by the cache, in its order
 
-    def prefill(self, prompt_ids: torch.LongTensor) -> float:
-        start = time.perf_counter()
-        prompt_ids = prompt_ids.to(self.device)
+    def prefill(self, views: Sequence[RowView]) -> None:
+        """Read every row's committed tokens but the last (the next round feeds it)."""
+        head = None
         if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
-            keep = torch.cat([
-                torch.arange(self.draft_vocab_size, device=self.device),
-                prompt_ids[0],
-                torch.tensor(self.special_token_ids, dtype=torch.long, device=self.device),
-            ])
-            keep = torch.unique(keep[keep < self.vocab_size])
-            self.head = SubVocabHead(self.model, keep, self.vocab_size)
-        if prompt_ids.shape[1] > 1:
-            self._logits(prompt_ids[:, :-1])
-        self.num_cached = prompt_ids.shape[1] - 1
-        if self.history is not None:
-            self.history.extend(prompt_ids[0].tolist())
-        return time.perf_counter() - start
+            keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
+                              torch.tensor(self.special_token_ids, dtype=torch.long)])
+            head = SubVocabHead(self.model, torch.unique(keep[keep < self.vocab_size]).to(self.device),
+                                self.vocab_size)
+        attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        self.cache = kv.RowCache(self.model, attention, head=head)
+        self.rows = [view.row for view in views]
+        prompts, mask = _left_padded([view.ids[:-1] for view in views], self.pad_token_id)
+        if prompts.shape[1]:
+            self.cache.prefill(prompts, mask, num_logits=1)
+        else:
+            self.cache.lengths = torch.zeros(len(views), dtype=torch.long)
 
-    def _logits(self, feed: torch.LongTensor) -> torch.Tensor:
-        """Draft forward over ``feed`` ([1, n]) appended to the cache; float logits [1, vocab]."""
-        if self.head is not None:
-            return self.head.forward(feed, self.cache)
-        return kv.forward(self.model, feed, self.cache, num_logits=1)[:, : self.vocab_size]
+    def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
+        """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) appended to its cache: float logits [B, V] after each."""
+        batch = stack_layouts([_fed(feed) for feed in feeds], self.pad_token_id)
+        even = batch.valid is None  # every row feeds as many tokens: only the last position's logits are needed
+        logits = self.cache.forward(batch, num_logits=1 if even else None)  # [B, 1 or n, V]
+        self.cache.keep([list(range(feed.shape[0])) for feed in feeds])
+        last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
+        return logits[torch.arange(len(feeds)), last.to(logits.device), : self.vocab_size]
 
-    def propose(self, committed_ids: torch.LongTensor, max_tokens: int, keep_drafting: KeepDrafting) -> Proposal:
+    def offer(self, views: Sequence[RowView]) -> list[Offer]:
+        return [Offer(model_tokens=view.budget) for view in views]
+
+    def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
+        """Up to ``plan.model_tokens`` tokens per row, each from the draft's processed distribution at its own
+        prefix; a plan's rule may stop a row earlier on its confidences; all rows step together."""
         start = time.perf_counter()
-        copied = self._lookup(committed_ids, [], leading=True)
-        if copied:  # the history predicts the continuation better than the draft would pay for: no draft forward
-            return self._proposal([], [], copied, start)
-        ids = committed_ids.to(self.device)  # [1, L]
-        feed = ids[:, self.num_cached:]  # at least the last committed token
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for position in range(1, max_tokens + 1):
-            logits = self._logits(feed)  # [1, V]
-            scores = self.logits_processor(ids, logits) if self.logits_processor else logits
-            if self.do_sample:
+        assert [view.row for view in views] == self.rows, "rows must come in the order the cache holds them"
+        limits = [plan.model_tokens for plan in plans]
+        steps = max(limits, default=0)
+        if steps == 0:
+            return [Proposal() for _ in views]
+        ids = [view.ids.to(self.device) for view in views]
+        feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
+        tokens: list[list[int]] = [[] for _ in views]
+        probs: list[list[torch.Tensor]] = [[] for _ in views]
+        confidences: list[list[float]] = [[] for _ in views]
+        drafting = [limit > 0 for limit in limits]
+        for _ in range(steps):
+            logits = self._logits(feeds)  # [B, V]
+            next_feeds = []
+            for r, plan in enumerate(plans):
+                scores = self.logits_processor(ids[r][None], logits[r: r + 1]) if self.logits_processor else \
+                    logits[r: r + 1]
                 draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
-                token = torch.multinomial(draft_probs, 1, generator=self.generator)[0]  # [1]
-                probs.append(draft_probs[0])
-                confidence = float(draft_probs[0, token]) if self.need_confidence else 1.0
-            else:
-                token = scores.argmax(dim=-1)  # [1]
-                confidence = float(torch.softmax(scores[0], dim=-1)[token]) if self.need_confidence else 1.0
-            tokens.append(token)
-            ids = torch.cat([ids, token[None]], dim=1)
-            feed = token[None]
-            if not keep_drafting(position, confidence) or position == max_tokens:  # the policy sees every token
+                token = torch.multinomial(draft_probs, 1)[0] if self.do_sample else scores.argmax(dim=-1)  # [1]
+                if drafting[r]:
+                    tokens[r].append(int(token))
+                    confidences[r].append(float(draft_probs[0, token]))
+                    if self.do_sample:
+                        probs[r].append(draft_probs[0])
+                    drafting[r] = len(tokens[r]) < limits[r] and (
+                        plan.rule is None or plan.rule.keep_drafting(confidences[r]))
+                ids[r] = torch.cat([ids[r], token])
+                next_feeds.append(token)
+            if not any(drafting):
                 break
-        # the cache now holds every committed token and every draft token but the last
-        self.num_cached = ids.shape[1] - 1
-        return self._proposal(tokens, probs, self._lookup(committed_ids, tokens), start)
+            feeds = next_feeds
+        seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
+        forwards = max(len(row) for row in tokens)
+        return [Proposal.chain(
+            row, [Source("draft", 0, i) for i in range(1, len(row) + 1)],
+            torch.stack(row_probs) if self.do_sample and row_probs else None,
+            confidences=tuple(row_confidences), draft_time=seconds, draft_forwards=forwards if row else 0)
+            for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
-    def _proposal(self, tokens: list[torch.Tensor], probs: list[torch.Tensor], lookup: tuple[int, ...],
-                  start: float) -> Proposal:
-        """Draft tokens followed by prompt-lookup tokens (deterministic drafts: one-hot distributions)."""
-        drafted = len(tokens)
-        for token in lookup:
-            tokens.append(torch.tensor([token], device=self.device))
-            if self.do_sample:
-                probs.append(torch.nn.functional.one_hot(torch.tensor(token), self.vocab_size).float().to(self.device))
-        return Proposal(
-            token_ids=torch.cat(tokens),
-            draft_probs=torch.stack(probs) if self.do_sample else None,
-            draft_time=time.perf_counter() - start,
-            draft_forwards=drafted,
-            num_lookup_tokens=len(lookup),
-        )
-
-    def _lookup(self, committed_ids: torch.LongTensor, drafted: list[torch.Tensor],
-                leading: bool = False) -> tuple[int, ...]:
-        """Prompt-lookup continuation of committed + drafted tokens, as long as the policy says it pays.
-
-        ``leading``: a round of lookup tokens alone, taken only if ``policy.prefer_lookup`` says it beats drafting.
-        """
-        if self.history is None:
-            return ()
-        if len(self.history.tokens) < committed_ids.shape[1]:
-            self.history.extend(committed_ids[0, len(self.history.tokens):].tolist())
-        limit = self.LEADING_LOOKUP if leading else self.free_tokens(len(drafted) + 1, 64)
-        if limit <= 0:
-            return ()
-        found = self.history.continuations(max_len=limit, limit=1, suffix=[int(t) for t in drafted], min_match=2)
-        if not found or (leading and not self.prefer_lookup(len(found[0]))):
-            return ()
-        return found[0]
-
-    def rollback(self, num_valid: int) -> None:
-        if self.num_cached > num_valid:
-            kv.rollback(self.cache, num_valid)
-            self.num_cached = num_valid
+    def update(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """Forget the KV of draft tokens the target rejected; drop the rows that finished."""
+        valid = torch.tensor([outcome.start_length + outcome.num_accepted for outcome in outcomes])
+        self.cache.truncate(valid)
+        if any(outcome.finished for outcome in outcomes):
+            keep = [i for i, outcome in enumerate(outcomes) if not outcome.finished]
+            self.cache.select_rows(keep)
+            self.rows = [self.rows[i] for i in keep]
 
     def release(self) -> None:
         self.cache = None
-        self.head = None
-        self.num_cached = 0
+        self.rows = []
+
+
+def _fed(tokens: torch.Tensor) -> RoundLayout:
+    """Tokens fed as a plain chain (the first is the "last token" of a round without guesses)."""
+    return RoundLayout(tokens.cpu(), torch.arange(tokens.shape[0]), None, torch.arange(tokens.shape[0]),
+                       torch.zeros(0, dtype=torch.long), 0)
+
+
+def _left_padded(rows: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of different lengths as one left-padded [B, L] batch and its mask (None without padding)."""
+    width = max(row.shape[0] for row in rows)
+    batch = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row.shape[0]:
+            batch[i, width - row.shape[0]:] = row.cpu()
+            mask[i, width - row.shape[0]:] = 1
+    return batch, (None if bool(mask.all()) else mask)

@@ -1,0 +1,61 @@
+"""``LookaheadMemory``: what lookahead learns in one ``generate`` call, carried into the next calls.
+
+- ``corpus``: the prompts and outputs of earlier calls, indexed for prompt lookup. Requests repeat each other
+  (imports, boilerplate, a test harness, the same function asked for again), so their text predicts the next
+  answer the way the prompt does; at most ``max_tokens`` of it are kept, the oldest dropped first.
+- ``successors``: the target's newest top choices after each token it has read (Token Recycling).
+- ``estimates``: the measured forward cost by number of inputs and every source's acceptance (``costmodel``),
+  so that a new call starts with a known cost curve instead of a plain first step and one doubling of forward
+  size per round.
+
+Outputs never depend on it (every candidate is verified by the target); only speed does. ``enable(model)``
+keeps one per model as ``model.lookahead_memory``; pass ``lookahead_memory=None`` to ``generate`` for a call
+that neither reads nor writes it, or your own ``LookaheadMemory()`` to scope it (one per user, say).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .config import LookaheadConfig
+from .costmodel import Estimates
+from .drafters.ngram_pool import HistoryIndex
+
+
+class LookaheadMemory:
+    def __init__(self, max_tokens: int = 1 << 16) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"LookaheadMemory(max_tokens={max_tokens!r}) is invalid: use an int >= 1.")
+        self.max_tokens = max_tokens
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything: the earlier calls' text and what was measured."""
+        self.corpus = HistoryIndex(max_match=LookaheadConfig().history_match)
+        self.estimates = Estimates()
+        self.successors: torch.Tensor | None = None  # [V, K] the target's top choices after each token, -1 unknown
+
+    def recycle(self, inputs: torch.LongTensor, top_next: torch.LongTensor) -> None:
+        """Keep the target's newest top choices ``top_next`` [R, K] after each of the tokens ``inputs`` [R].
+
+        The table grows to hold every token it names, as an input or a choice, so a chain can always look up the
+        choices after any token it holds."""
+        needed = int(max(int(inputs.max()), int(top_next.max()))) + 1
+        if self.successors is not None and self.successors.shape[1] != top_next.shape[1]:
+            self.successors = None  # another recycle_width: start a new table
+        if self.successors is None or self.successors.shape[0] < needed:
+            size = max(needed, 1024, 2 * (0 if self.successors is None else self.successors.shape[0]))
+            grown = torch.full((size, top_next.shape[1]), -1, dtype=torch.long)
+            if self.successors is not None:
+                grown[: self.successors.shape[0]] = self.successors
+            self.successors = grown
+        self.successors[inputs] = top_next
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """Add one call's prompt and output; past ``max_tokens``, keep the newest half."""
+        self.corpus.extend(tokens)
+        if len(self.corpus.tokens) > self.max_tokens:
+            kept = self.corpus.tokens[len(self.corpus.tokens) - self.max_tokens // 2:]
+            self.corpus = HistoryIndex(kept, max_match=self.corpus.max_match)

@@ -1,0 +1,229 @@
+"""The one shape of a round: what is offered, what is planned, what is proposed, what came of it.
+
+A round is one target forward (see ``verify.py`` for the terms). It passes through four values, in order:
+
+``Offer``         what a drafter could propose without running a model: ready-made candidates (prompt lookup,
+                  the lookahead pool, recycled choices) and how many tokens its draft model could add;
+``RoundPlan``     every size of the round, chosen by the policy from the offer and the measured costs;
+``Proposal``      the guesses to verify: a trie of tokens (a chain is a trie with one path), where each token
+                  came from, the distributions sampled ones were drawn from, and any extra inputs the drafter
+                  wants the target to read (the Jacobi window);
+``RoundOutcome``  what the target kept and what the round cost, handed unchanged to the stats, the policy and
+                  the drafter, so that all three learn from the same facts.
+
+Worked example: a draft model drafts two tokens and prompt lookup appends one; the chain is a trie with one
+path, ``tokens=(7, 8, 9)``, ``parents=(-1, 0, 1)``, ``sources`` one per token
+(``Source("draft", 0, 1)``, ``Source("draft", 0, 2)``, ``Source("lookup", 0, 1)``). If the target keeps 7 and 8
+and then wants 4, the outcome has ``accepted=(0, 1)`` (node ids) and ``next_token=4``: the round emitted 7, 8, 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowView:
+    """One row of the batch as drafters and policies see it: ``row``, its index in the caller's batch; ``ids``:
+    [L] its committed tokens without padding (prompt + emitted); ``budget``: the most tokens its next proposal
+    may hold (the room left before the length limit)."""
+
+    row: int
+    ids: torch.Tensor
+    budget: int
+
+
+class Source(NamedTuple):
+    """Where a guess came from, which is what its acceptance is learned by.
+
+    kind: ``"draft"`` (the draft model), ``"lookup"`` (prompt lookup after or instead of the draft model),
+        ``"history"`` / ``"memory"`` (lookahead's prompt lookup in this call's text / earlier calls' text),
+        ``"history_alt"`` / ``"memory_alt"`` (the other continuations the same lookup found), ``"pool"`` (the
+        Jacobi window's n-gram pool), ``"recycle"`` / ``"recycle_second"`` (the target's own earlier choices).
+    variant: how much context matched (lookups), the rank of a recycled choice, else 0.
+    position: 1-based position of the token within the candidate that offered it.
+    """
+
+    kind: str
+    variant: int
+    position: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.kind, self.variant
+
+
+class Candidate(NamedTuple):
+    """A ready-made continuation of the committed tokens, with where it came from (``source``: kind, variant)."""
+
+    tokens: tuple[int, ...]
+    source: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a drafter can propose this round without running a model, and what its model could add."""
+
+    candidates: tuple[Candidate, ...] = ()
+    model_tokens: int = 0  # most tokens the drafter's own model can draft (0: it has none)
+    positions_left: int | None = None  # positions after the last token before the model's position table ends
+
+
+class ChainRule(Protocol):
+    """The in-round part of a plan for a draft model's chain: a value computed by the policy, read by the drafter."""
+
+    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        """After drafting tokens with these confidences, is one more worth its cost?"""
+
+    def lookup_tokens(self, confidences: Sequence[float]) -> int:
+        """How many prompt-lookup tokens may follow a chain drafted with these confidences."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Every size of one round, decided by the policy (``policy.py``); the drafter follows it.
+
+    model_tokens: most draft-model tokens (0: no draft forward).
+    max_tokens: most tokens the whole proposal may hold (the room left before the length limit).
+    rule: the in-round rule of the draft model's chain (``policy.ChainRule``): whether to draft one more token
+        given the confidences so far, and how many prompt-lookup tokens may follow. None: draft exactly
+        ``model_tokens``, no lookup tail.
+    candidates: the ready-made candidates (or prefixes of them) to verify, best first; their merged trie is the
+        proposal when ``model_tokens`` is 0.
+    window: (W, N) of the Jacobi window; (1, 2) is no window.
+    """
+
+    model_tokens: int = 0
+    max_tokens: int = 0
+    rule: ChainRule | None = None
+    candidates: tuple[Candidate, ...] = ()
+    window: tuple[int, int] = (1, 2)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.model_tokens == 0 and not self.candidates and self.window == (1, 2)
+
+
+@dataclass(frozen=True)
+class ExtraInputs:
+    """Inputs the target reads in the same forward but nobody verifies: the Jacobi window (``layout.py``).
+
+    token_ids: [w] the inputs, after the last committed token; offsets: [w] their positions after the last
+    token's (>= 1); mask: [w, w] bool, which extra inputs each extra input sees (they all see the last token and
+    the cache, never the trie); read: [r] the inputs whose next-token choice the drafter wants (0: the last
+    token, i: ``token_ids[i - 1]``).
+    """
+
+    token_ids: torch.Tensor
+    offsets: torch.Tensor
+    mask: torch.Tensor
+    read: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The guesses of one round, as a trie: node ids follow insertion order, so a parent precedes its children.
+
+    tokens[i]: token of node i; parents[i]: its parent node, -1 for children of the last committed token;
+    sources[i]: every candidate that offered node i (a node shared by two candidates is judged for both);
+    draft_probs: [n, V] the distribution each token was sampled from (one-hot rows for deterministic tokens);
+        None when every token is deterministic (greedy drafts, lookups);
+    confidences: the draft model's own probability of each token it drafted, in order (policies calibrate it);
+    extra: inputs the drafter wants read but not verified (the Jacobi window), or None;
+    top_k: how many of the target's top choices after each computed row the drafter wants back (0: none);
+    draft_time / draft_forwards: seconds spent proposing and draft-model forwards run.
+    """
+
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    sources: tuple[tuple[Source, ...], ...] = ()
+    draft_probs: torch.Tensor | None = None
+    confidences: tuple[float, ...] = ()
+    extra: ExtraInputs | None = None
+    top_k: int = 0
+    draft_time: float = 0.0
+    draft_forwards: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        assert len(self.parents) == n and len(self.sources) == n, "tokens, parents and sources must align"
+        assert all(-1 <= p < i for i, p in enumerate(self.parents)), "a parent must precede its child"
+        assert self.draft_probs is None or self.draft_probs.shape[0] == n, "draft_probs must be [n, V]"
+
+    @classmethod
+    def chain(cls, tokens, sources, draft_probs=None, **fields) -> "Proposal":
+        """A single path: each token the child of the one before."""
+        tokens = tuple(int(t) for t in tokens)
+        return cls(tokens=tokens, parents=tuple(range(-1, len(tokens) - 1)),
+                   sources=tuple((s,) for s in sources), draft_probs=draft_probs, **fields)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """1 for the children of the last committed token."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        """The longest path: the round's "draft length"."""
+        return max(self.depths, default=0)
+
+    def path(self, node: int) -> list[int]:
+        """Node ids from the root's child down to ``node``."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What came of one round, as every party sees it.
+
+    accepted: node ids of the accepted path (root's child first); next_token: the recovered or bonus token;
+    emitted: the tokens the round committed, cut at the first stop (so possibly fewer than the path + 1);
+    start_length: the sequence length before the round (the last committed token is at start_length - 1);
+    forward_tokens: inputs of the target forward (its
+    cost is learned by this count); verify_time: seconds of forward + processing + verification;
+    extra_next: [r] the target's choice after each read extra input; top_inputs: [R] the inputs whose top
+    choices were computed (the last token, the nodes, the read extras) and top_next: [R, K] those choices
+    (both None unless the proposal asked for ``top_k``); row: the row's index in the caller's batch; finished:
+    the row stopped this round (EOS, a stop string, a criterion or the length limit); rows: rows in the forward.
+    """
+
+    proposal: Proposal
+    accepted: tuple[int, ...]
+    next_token: int
+    emitted: tuple[int, ...]
+    start_length: int
+    forward_tokens: int
+    verify_time: float
+    extra_next: torch.Tensor | None = None
+    top_inputs: torch.Tensor | None = None
+    top_next: torch.Tensor | None = None
+    row: int = 0
+    finished: bool = False
+    rows: int = 1
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+    def judged(self) -> list[bool]:
+        """Per node: did the target judge it, i.e. was its parent (or the last committed token) accepted?"""
+        on_path = set(self.accepted)
+        return [parent < 0 or parent in on_path for parent in self.proposal.parents]
