@@ -63,7 +63,11 @@ class SpecConfig(_FromDict):
         Adaptive only: stop drafting inside a round when the draft's confidence says the next token is not
         worth its cost (see ``policy.py``).
     probe_interval:
-        Adaptive only: while speculation is off, draft again after this many plain rounds to re-measure.
+        Adaptive only: while speculation is off, draft again after this many plain rounds to re-measure; after
+        each probe that does not turn it back on, the interval doubles (up to 1024 rounds).
+    max_regret:
+        Adaptive only: the most time probing may lose against plain decoding, as a share of the time plain
+        decoding would have taken for the tokens emitted so far (a probe that would go past it waits).
     decay:
         Adaptive only: weight kept by old observations per round (exponential forgetting), in (0, 1].
     history_lookup:
@@ -85,6 +89,7 @@ class SpecConfig(_FromDict):
     max_draft_tokens: int = 16
     confidence_stop: bool = True
     probe_interval: int = 16
+    max_regret: float = 0.03
     decay: float = 0.95
     history_lookup: bool = True
     draft_vocab_size: Union[int, Auto, None] = "auto"
@@ -98,6 +103,7 @@ class SpecConfig(_FromDict):
         if not isinstance(self.confidence_stop, bool):
             _fail(name, "confidence_stop", self.confidence_stop, "use True or False")
         _check_int(name, "probe_interval", self.probe_interval, 1)
+        _check_float(name, "max_regret", self.max_regret, 0.0, 1.0)
         _check_float(name, "decay", self.decay, 0.5, 1.0)
         if not isinstance(self.history_lookup, bool):
             _fail(name, "history_lookup", self.history_lookup, "use True or False")
@@ -136,6 +142,9 @@ class LookaheadConfig(_FromDict):
     recycle_second: int = 3
     recycle_depth: int = 8
     acceptance_decay: float = 0.98  # weight kept by old observations of a source's acceptance, per observation
+    # the most time guesses may lose against plain decoding, as a share of plain decoding's time for the tokens
+    # emitted so far; past it, rounds are plain steps until the budget allows guessing again
+    max_regret: float = 0.03
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -158,3 +167,4 @@ class LookaheadConfig(_FromDict):
         _check_int(name, "recycle_second", self.recycle_second, 0, self.recycle_width - 1)
         _check_int(name, "recycle_depth", self.recycle_depth, 1, 256)
         _check_float(name, "acceptance_decay", self.acceptance_decay, 0.5, 1.0)
+        _check_float(name, "max_regret", self.max_regret, 0.0, 1.0)

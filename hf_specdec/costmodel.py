@@ -8,8 +8,9 @@ two kinds of numbers, both measured on the machine it runs on and never assumed:
 - acceptance: ``DecayedAcceptance``, P(a guess at position i is accepted | the guesses before it were), one per
   source of guesses (the draft model, prompt lookup, the lookahead pool, ...), decayed counts with a Beta prior.
 
-``Estimates`` holds one set of them: per call, or carried across calls (``LookaheadMemory``). ``expected_tokens``
-and ``best_count`` are the arithmetic every policy shares. ``forward_times`` is the one offline measurement of
+``Estimates`` holds one set of them: per call, or carried across calls (``LookaheadMemory``, and one per draft
+model after ``enable()``). ``expected_tokens`` and ``best_count`` are the arithmetic every policy shares;
+``Regret`` caps what probing may lose against plain decoding. ``forward_times`` is the one offline measurement of
 t(n) (``hf-specdec check``, the eval harness, the hardware profile).
 
 Terms (see ``verify.py``): c = t_d / t(1); v(n) = t(n) / t(1).
@@ -217,6 +218,38 @@ def best_count(gains: Sequence[float], seconds: Callable[[int], float | None], l
         if emitted / cost > best_rate:
             best, best_rate = n, emitted / cost
     return best
+
+
+class Regret:
+    """Seconds speculation lost against plain decoding, so that probing it stays within a budget.
+
+    Each round that guessed adds ``round_seconds - emitted * t(1)``: what it took minus what plain decoding
+    would have taken for the tokens it emitted (negative when it paid). ``allows(cost)`` says whether a probe
+    that may lose ``cost`` seconds keeps the total loss within ``budget`` (a share) of the plain-decoding time of
+    everything emitted so far. Speculation that pays earns credit; one that does not is capped at the budget.
+
+    >>> regret = Regret(budget=0.03)
+    >>> regret.observe(round_seconds=0.3, emitted=1, step=0.2, guessed=True)  # a probe that lost 0.1 s
+    >>> regret.observe(round_seconds=0.2, emitted=1, step=0.2, guessed=False)
+    >>> round(regret.lost, 3), regret.allows(0.05)
+    (0.1, False)
+    >>> for _ in range(100): regret.observe(0.2, 1, 0.2, guessed=False)  # 20 s of plain steps later
+    >>> regret.allows(0.05)
+    True
+    """
+
+    __slots__ = ("budget", "lost", "plain_seconds")
+
+    def __init__(self, budget: float = 0.03) -> None:
+        self.budget, self.lost, self.plain_seconds = budget, 0.0, 0.0
+
+    def observe(self, round_seconds: float, emitted: int, step: float, guessed: bool) -> None:
+        self.plain_seconds += emitted * step
+        if guessed:
+            self.lost += round_seconds - emitted * step
+
+    def allows(self, cost: float) -> bool:
+        return self.lost + cost <= self.budget * self.plain_seconds
 
 
 @dataclass

@@ -64,7 +64,7 @@ from types import MappingProxyType
 from typing import Callable, Protocol, Sequence
 
 from .config import LookaheadConfig, SpecConfig
-from .costmodel import DecayedAcceptance, Estimates, best_count, prefix_gains
+from .costmodel import DecayedAcceptance, Estimates, Regret, best_count, prefix_gains
 from .layout import merge_candidates
 from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView
 
@@ -202,6 +202,9 @@ class AdaptivePolicy:
         self.calibration = self.estimates.source(("confidence", 0), prior=0.0, decay=config.decay,
                                                  slots=self.NUM_BINS)
         self.plain_rounds_in_a_row = 0
+        self.regret = Regret(config.max_regret)  # what guessing lost against plain decoding in this call
+        self.probe_interval = config.probe_interval  # doubles after each probe that did not pay
+        self.probed = False  # the last drafting round was a probe
 
     # -- estimates ----------------------------------------------------------------------------------------------
     def _t(self, n: int, extrapolate: bool = False) -> float | None:
@@ -272,9 +275,15 @@ class AdaptivePolicy:
             return min(self.config.num_draft_tokens, budget)
         gains = prefix_gains(self.draft.rates(budget))
         best_k = best_count(gains, self._draft_round_seconds, budget)
-        if best_k == 0 and self.plain_rounds_in_a_row >= self.config.probe_interval:
+        if best_k > 0:
+            self.probe_interval, self.probed = self.config.probe_interval, False
+        elif self.probed:  # the last probe did not turn speculation back on: wait twice as long next time
+            self.probe_interval, self.probed = min(1024, 2 * self.probe_interval), False
+        if best_k == 0 and self.plain_rounds_in_a_row >= self.probe_interval and self.regret.allows(
+                self._draft_round_seconds(1) - self._t(1)):
             best_k = 1 + best_count(gains[1:], lambda n: self._draft_round_seconds(n + 1), budget - 1,
                                     base=1 + gains[0])  # probe: the best round that drafts at all
+            self.probed = True
         if best_k == 0:
             return 0
         # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which sees
@@ -285,6 +294,7 @@ class AdaptivePolicy:
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         first = outcomes[0]
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        _observe_regret(self.regret, self.estimates, outcomes)
         lookup = judged_slots(outcomes, "lookup")
         if lookup:
             self.lookup.observe_slots(lookup)
@@ -301,6 +311,18 @@ class AdaptivePolicy:
             bins += [(min(int(c * self.NUM_BINS), self.NUM_BINS - 1) + 1, kept)
                      for c, (_, kept) in zip(outcome.proposal.confidences, drafted)]
         self.calibration.observe_slots(bins)
+
+
+def _observe_regret(regret: Regret, estimates: Estimates, outcomes: Sequence[RoundOutcome]) -> None:
+    """What this round took against what plain decoding would have taken for the tokens it emitted."""
+    step = estimates.forward.estimate(len(outcomes))  # a plain step of these rows
+    if step is None:
+        return
+    proposals = [outcome.proposal for outcome in outcomes]
+    seconds = outcomes[0].verify_time + sum(p.draft_time + p.setup_time for p in proposals)
+    emitted = sum(len(outcome.emitted) for outcome in outcomes)
+    regret.observe(seconds, emitted, step / len(outcomes),
+                   guessed=any(p.num_tokens or p.draft_forwards or p.extra is not None for p in proposals))
 
 
 def make_policy(config: SpecConfig, estimates: Estimates | None = None) -> Policy:
@@ -410,6 +432,7 @@ class TreePolicy:
         self.config = config
         self.estimates = estimates
         self.rows = 1  # rows in the batch this round
+        self.regret = Regret(config.max_regret)  # what guessing lost against plain decoding in this call
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
 
@@ -464,12 +487,16 @@ class TreePolicy:
                                                     for node in range(trie.num_tokens)})
         if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
             window, ngram = 1, 2  # the window would run past the position table
+        auto = config.window == "auto" and config.max_candidates == "auto"
+        if auto and (chosen or window > 1) and not self.regret.allows(0.0):
+            return PLAIN  # guessing has lost more than its budget against plain decoding: plain steps earn it back
         return RoundPlan(max_tokens=budget, candidates=chosen, window=(window, ngram))
 
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Learn each source's acceptance per depth, what the pool adds, tokens per round, and the cost."""
         first = outcomes[0]
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        _observe_regret(self.regret, self.estimates, outcomes)
         by_source: dict[tuple[str, int], list[tuple[int, bool]]] = {}
         for outcome in outcomes:
             self._observe_row(outcome, by_source)

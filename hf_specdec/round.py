@@ -138,7 +138,8 @@ class Proposal:
     confidences: the draft model's own probability of each token it drafted, in order (policies calibrate it);
     extra: inputs the drafter wants read but not verified (the Jacobi window), or None;
     top_k: how many of the target's top choices after each computed row the drafter wants back (0: none);
-    draft_time / draft_forwards: seconds spent proposing and draft-model forwards run.
+    draft_time / draft_forwards: seconds spent proposing and draft-model forwards run (the per-round cost);
+    setup_time: one-off seconds before it (the draft model reading the prompt the first time it is used).
     """
 
     tokens: tuple[int, ...] = ()
@@ -150,6 +151,7 @@ class Proposal:
     top_k: int = 0
     draft_time: float = 0.0
     draft_forwards: int = 0
+    setup_time: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

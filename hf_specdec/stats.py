@@ -43,6 +43,7 @@ class SpecStats:
     round_log: list[tuple[int, int]] = field(default_factory=list)
     draft_time_s: float = 0.0
     draft_forwards: int = 0
+    draft_setup_time_s: float = 0.0  # the draft reading the prompt, once, when first used (not in draft_time_s)
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
     total_time_s: float = 0.0
@@ -93,6 +94,7 @@ class SpecStats:
                 self.accepted_per_position[i] += 1
         self.round_log.append((min(accepted, emitted), emitted))
         self.draft_time_s += proposal.draft_time
+        self.draft_setup_time_s += proposal.setup_time
         from_lookup = [all(s.kind != "draft" for s in sources) for sources in proposal.sources]
         self.lookup_drafted += sum(from_lookup)
         self.lookup_accepted += sum(from_lookup[node] for node in outcome.accepted)

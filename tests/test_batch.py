@@ -55,7 +55,7 @@ def test_batched_speculative_equals_plain_batched_generate(model, rows, draft):
     ids, mask = left_padded(PROMPTS[:rows])
     drafter = {"same": model, "random": tiny_model("llama", seed=1), "close": perturbed_copy(model, 0.02)}[draft]
     expected = plain(model, ids, mask)
-    for policy in ("fixed", "adaptive"):
+    for policy in ("adaptive", "fixed"):  # the stats below are the fixed policy's: it always drafts
         out = speculative(model, drafter, ids, mask, policy=policy)
         assert torch.equal(out, expected), (policy, out, expected)
     stats = model.last_spec_stats

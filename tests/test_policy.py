@@ -86,15 +86,39 @@ def test_adaptive_shorter_drafts_when_verification_is_expensive():
 
 
 def test_adaptive_turns_off_when_it_does_not_pay_and_probes_later():
-    config = SpecConfig(probe_interval=5)
+    config = SpecConfig(probe_interval=5, max_regret=1.0)  # a budget large enough for the probes
     policy = AdaptivePolicy(config)
-    feed(policy, 30, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # nothing accepted, draft half a step
+    feed(policy, 10, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # nothing accepted, draft half a step
     assert plan(policy, 12, OFFER).is_plain
     for _ in range(config.probe_interval):
         observe(policy, outcome(Proposal(), 0, 0.1))
     assert plan(policy, 12, OFFER).model_tokens > 0  # probe
     observe(policy, outcome(chain(1, t_draft=0.05), 0, 0.1))
     assert plan(policy, 12, OFFER).is_plain
+
+
+def plain_rounds_until_probe(policy, most=10_000):
+    for n in range(most):
+        if plan(policy, 12, OFFER).model_tokens:
+            return n
+        observe(policy, outcome(Proposal(), 0, 0.1))
+    return most
+
+
+def test_probes_back_off_and_stay_within_the_regret_budget():
+    """A useless draft: each failed probe doubles the wait, and what probing loses stays under max_regret of the
+    plain decoding time (here 3%)."""
+    policy = AdaptivePolicy(SpecConfig(probe_interval=4))
+    feed(policy, 1, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # one losing round: 0.15 s lost
+    waits = []
+    for _ in range(6):
+        waits.append(plain_rounds_until_probe(policy))
+        observe(policy, outcome(chain(1, t_draft=0.05), 0, 0.1))  # the probe loses again
+        assert policy.regret.lost <= 0.03 * policy.regret.plain_seconds + 1e-9
+    # the first waits are set by the budget (0.05 s lost per probe needs 17 plain steps of 0.1 s at 3%), then
+    # by the doubling interval
+    assert waits[0] > 4 and all(later >= earlier for earlier, later in zip(waits[1:], waits[2:]))
+    assert waits[-1] == 2 * waits[-2] == policy.probe_interval
 
 
 def test_confident_rounds_run_longer_when_verification_is_cheap():

@@ -153,7 +153,7 @@ class ChainDrafter:
             drafted.tokens + tail,
             [sources[0] for sources in drafted.sources] + [Source("lookup", 0, j) for j in range(1, len(tail) + 1)],
             draft_probs, confidences=drafted.confidences, draft_time=seconds,
-            draft_forwards=drafted.draft_forwards)
+            draft_forwards=drafted.draft_forwards, setup_time=drafted.setup_time)
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         for part in self.parts:

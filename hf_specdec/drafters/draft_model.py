@@ -89,7 +89,13 @@ class DraftModelDrafter:
         self.rows: list[int] = []  # the batch rows held by the cache, in its order
 
     def prefill(self, views: Sequence[RowView]) -> None:
-        """Read every row's committed tokens but the last (the next round feeds it)."""
+        """Nothing yet: the draft reads the prompts the first time a plan asks it to draft (``_read``), so a call
+        in which speculation never pays never runs the draft model at all."""
+        self.rows = [view.row for view in views]
+
+    def _read(self, views: Sequence[RowView]) -> float:
+        """Prefill the draft's cache with every row's committed tokens but the last; returns the seconds."""
+        start = time.perf_counter()
         head = None
         if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
             keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
@@ -98,12 +104,12 @@ class DraftModelDrafter:
                                 self.vocab_size)
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
         self.cache = kv.RowCache(self.model, attention, head=head)
-        self.rows = [view.row for view in views]
         prompts, mask = _left_padded([view.ids[:-1] for view in views], self.pad_token_id)
         if prompts.shape[1]:
             self.cache.prefill(prompts, mask, num_logits=1)
         else:
             self.cache.lengths = torch.zeros(len(views), dtype=torch.long)
+        return time.perf_counter() - start
 
     def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
         """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) appended to its cache: float logits [B, V] after each."""
@@ -120,12 +126,13 @@ class DraftModelDrafter:
     def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
         """Up to ``plan.model_tokens`` tokens per row, each from the draft's processed distribution at its own
         prefix; a plan's rule may stop a row earlier on its confidences; all rows step together."""
-        start = time.perf_counter()
         assert [view.row for view in views] == self.rows, "rows must come in the order the cache holds them"
         limits = [plan.model_tokens for plan in plans]
         steps = max(limits, default=0)
         if steps == 0:
             return [Proposal() for _ in views]
+        setup = self._read(views) / len(views) if self.cache is None else 0.0
+        start = time.perf_counter()
         ids = [view.ids.to(self.device) for view in views]
         feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
         tokens: list[list[int]] = [[] for _ in views]
@@ -157,17 +164,18 @@ class DraftModelDrafter:
         return [Proposal.chain(
             row, [Source("draft", 0, i) for i in range(1, len(row) + 1)],
             torch.stack(row_probs) if self.do_sample and row_probs else None,
-            confidences=tuple(row_confidences), draft_time=seconds, draft_forwards=forwards if row else 0)
+            confidences=tuple(row_confidences), draft_time=seconds, draft_forwards=forwards if row else 0,
+            setup_time=setup)
             for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Forget the KV of draft tokens the target rejected; drop the rows that finished."""
-        valid = torch.tensor([outcome.start_length + outcome.num_accepted for outcome in outcomes])
-        self.cache.truncate(valid)
-        if any(outcome.finished for outcome in outcomes):
-            keep = [i for i, outcome in enumerate(outcomes) if not outcome.finished]
-            self.cache.select_rows(keep)
-            self.rows = [self.rows[i] for i in keep]
+        keep = [i for i, outcome in enumerate(outcomes) if not outcome.finished]
+        if self.cache is not None:
+            self.cache.truncate(torch.tensor([outcome.start_length + outcome.num_accepted for outcome in outcomes]))
+            if len(keep) < len(outcomes) and keep:
+                self.cache.select_rows(keep)
+        self.rows = [self.rows[i] for i in keep]
 
     def release(self) -> None:
         self.cache = None

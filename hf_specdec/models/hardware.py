@@ -1,14 +1,17 @@
-"""dtype, device and memory: ``dtype="auto"``, bitsandbytes quantization of a draft, footprints, OOM at load.
+"""dtype, device and memory: dtype names, quantization of a draft (bitsandbytes 4-bit / 8-bit, torch dynamic
+int8), footprints, the memory available, OOM at load.
 
-``dtype="auto"`` picks bf16 where the hardware computes it natively (CPUs with ``avx512_bf16`` or ``amx_bf16``,
-CUDA devices with bf16 support), fp16 on other CUDA devices and fp32 otherwise: on a CPU without bf16
-instructions, bf16 matmuls are emulated and slower than fp32.
+``dtype="auto"`` and ``quantize="auto"`` are not decided here: no CPU-flag rule predicts what is fast (on an AVX2
+EPYC bf16 steps faster than fp32 but verifies 8 tokens at ~8x the cost). They are decided by the measured
+hardware profile (``hf_specdec.models.profile``) in ``load_model``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -20,7 +23,7 @@ _DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
 }
-QUANTIZE = (None, "4bit", "8bit")
+QUANTIZE = (None, "4bit", "8bit", "dynamic-int8")
 
 
 class ModelLoadOOMError(RuntimeError):
@@ -62,31 +65,37 @@ def resolve_device(device: str | torch.device = "auto") -> str:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu") -> torch.dtype:
-    """Turn a dtype name (``"auto"``, ``"bf16"``, ``"float32"``, ...) or a ``torch.dtype`` into a ``torch.dtype``.
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """Turn a dtype name (``"bf16"``, ``"float32"``, ...) or a ``torch.dtype`` into a ``torch.dtype``.
 
-    ``"auto"``: bf16 on CPUs with avx512_bf16/amx_bf16 and on CUDA devices with bf16 support, fp16 on other CUDA
-    devices, fp32 otherwise.
+    ``"auto"`` is refused here: it is a measured choice (``hf_specdec.models.profile.choose_dtype``, made by
+    ``load_model(dtype="auto")``), not a rule about the device.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        device = resolve_device(device)
-        if device.startswith("cuda"):
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        raise ValueError("dtype='auto' is decided by the measured hardware profile: call load_model(dtype='auto') "
+                         "or hf_specdec.models.profile.choose_dtype(profile), or name a dtype ('bf16', 'fp32', ...).")
     try:
         return _DTYPES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"dtype={dtype!r} is invalid: use 'auto', 'bf16', 'fp16', 'fp32' or a torch.dtype.") from None
 
 
+def quantized_compute_dtype(device: str) -> torch.dtype:
+    """The compute dtype of a bitsandbytes-quantized model: bf16, or fp16 on a GPU without bf16."""
+    if str(device).startswith("cuda") and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
 def quantization_config(quantize: str | None, compute_dtype: torch.dtype = torch.bfloat16):
-    """A ``BitsAndBytesConfig`` for ``quantize="4bit"`` (NF4) or ``"8bit"``; None for ``quantize=None``."""
-    if quantize in (None, "none"):
+    """A ``BitsAndBytesConfig`` for ``quantize="4bit"`` (NF4) or ``"8bit"``; None for ``quantize=None`` and for
+    ``"dynamic-int8"`` (applied after loading, :func:`quantize_dynamic_int8`)."""
+    if quantize in (None, "none", "dynamic-int8"):
         return None
     if quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r} is invalid: use '4bit', '8bit' or None.")
+        raise ValueError(f"quantize={quantize!r} is invalid: use 'auto', '4bit', '8bit', 'dynamic-int8' or None.")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -105,9 +114,65 @@ def quantization_config(quantize: str | None, compute_dtype: torch.dtype = torch
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
+def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """The module holding the decoder-layer stack and its attribute name (``model.model``, "layers" for Llama /
+    Qwen2; ``model.transformer``, "h" for GPT-2): the ``ModuleList`` as long as ``num_hidden_layers``."""
+    count = int(model.config.num_hidden_layers)
+    found = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, torch.nn.ModuleList) and len(child) == count]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of its {count} decoder layers")
+    return found[0]
+
+
+def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Torch dynamic int8 quantization (``torch.ao.quantization.quantize_dynamic``) of the ``Linear`` layers of
+    the decoder stack, in place, for an fp32 model on CPU. Embeddings and ``lm_head`` stay fp32 (as
+    bitsandbytes keeps them), so the output layer is still a plain ``Linear`` that can be narrowed."""
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    if dtype != torch.float32 or device.type != "cpu":
+        raise ValueError(f"quantize='dynamic-int8' needs an fp32 model on CPU, got {str(dtype).removeprefix('torch.')}"
+                         f" on {device}")
+    from torch.ao.quantization import quantize_dynamic
+
+    parent, name = decoder_layers(model)
+    with warnings.catch_warnings():  # torch 2.10+ warns that torch.ao.quantization moves to torchao
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*torch.ao.quantization.*")
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        quantize_dynamic(getattr(parent, name), {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return model
+
+
+def dynamic_int8_available() -> bool:
+    """True when torch's dynamic int8 Linear has a CPU kernel engine here (fbgemm / x86 / onednn / qnnpack)."""
+    return bool(set(torch.backends.quantized.supported_engines) - {"none"})
+
+
+def available_memory_bytes(device: str) -> int | None:
+    """Bytes that could still be allocated on ``device``: CUDA free memory, or the host's ``MemAvailable``
+    (None where it cannot be read)."""
+    if str(device).startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            lines = fh.read().splitlines()
+    except OSError:  # not Linux
+        lines = []
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return None
+
+
 def footprint_bytes(model: torch.nn.Module) -> int:
     """Bytes held by a model's parameters and buffers (shared tensors counted once; bitsandbytes 4-bit
-    weights count their packed bytes plus their quantization statistics)."""
+    weights count their packed bytes plus their quantization statistics; torch dynamic int8 layers their int8
+    weights and bias)."""
     seen: set[tuple[int, int]] = set()
     total = 0
 
@@ -129,6 +194,14 @@ def footprint_bytes(model: torch.nn.Module) -> int:
             add(getattr(state, "code", None))
     for b in model.buffers():
         add(b)
+    unpacked: list[torch.Tensor] = []  # kept alive while counting, so no freed pointer is reused and skipped
+    for module in model.modules():
+        # a torch.ao dynamic quantized Linear: its weights live in a LinearPackedParams child, not in parameters
+        if isinstance(getattr(module, "_packed_params", None), torch.nn.Module) and callable(module.weight):
+            for t in (module.weight(), module.bias()):
+                if t is not None:
+                    unpacked.append(t)
+                    add(t)
     return total
 
 
