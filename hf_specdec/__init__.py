@@ -8,7 +8,7 @@
 """
 
 from .config import LookaheadConfig, SpecConfig
-from .memory import LookaheadMemory
+from .memory import LookaheadMemory, SpeculativeMemory
 from .integration import SpecGenerateOutput, disable, enable, lookahead_generate, speculative_generate
 from .stats import SpecStats
 
@@ -20,6 +20,7 @@ __all__ = [
     "SpecConfig",
     "SpecGenerateOutput",
     "SpecStats",
+    "SpeculativeMemory",
     "disable",
     "enable",
     "lookahead_generate",

@@ -29,7 +29,7 @@ from .drafters.draft_model import DraftModelDrafter
 from .drafters.lookahead import LookaheadDrafter, check_lookahead_supported
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
-from .memory import LookaheadMemory
+from .memory import LookaheadMemory, SpeculativeMemory
 from .policy import TreePolicy, make_policy
 from .stats import SpecStats
 
@@ -53,18 +53,25 @@ def speculative_generate(
     generation_config: GenerationConfig,
     draft_model=None,
     spec_config: SpecConfig | dict | None = None,
+    speculative_memory=None,
     spec_streamer=None,
     **model_kwargs,
 ):
     """``custom_generate`` callable: speculative decoding with ``draft_model`` (see module docstring).
 
     ``draft_model`` is a causal LM sharing the target's tokenizer, or any object implementing ``Drafter``.
+    ``speculative_memory``: a ``SpeculativeMemory`` whose estimates for this draft the call starts from and
+    refines; None measures from scratch and keeps nothing.
     """
     if draft_model is None:
         raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
     config = _as_config(spec_config, SpecConfig, "spec_config")
+    if speculative_memory is not None and not isinstance(speculative_memory, SpeculativeMemory):
+        raise ValueError(f"speculative_memory must be a hf_specdec.SpeculativeMemory or None, got "
+                         f"{type(speculative_memory).__name__}.")
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
+    estimates = speculative_memory.estimates(draft_model) if speculative_memory is not None else None
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
     else:
@@ -77,7 +84,8 @@ def speculative_generate(
                               pad_token_id=inputs.pad_token_id),
             PerRow(PromptLookupDrafter) if config.history_lookup else None,
         )
-    return _run(model, inputs, drafter, make_policy(config), spec_streamer, generation_config, "speculative")
+    return _run(model, inputs, drafter, make_policy(config, estimates), spec_streamer, generation_config,
+                "speculative")
 
 
 def lookahead_generate(
@@ -225,18 +233,20 @@ def enable(model):
     """Route ``model.generate(..., assistant_model=draft)`` and ``decoding="lookahead"`` through hf_specdec.
 
     Only this instance changes (its ``generate`` attribute); the class and every other model are untouched.
-    It also gets ``model.lookahead_memory``, which ``decoding="lookahead"`` calls share unless they pass
-    ``lookahead_memory=`` (None: a call that neither reads nor writes it); see ``LookaheadMemory``.
-    ``disable(model)`` undoes both. Returns the model.
+    It also gets ``model.lookahead_memory`` and ``model.speculative_memory``, which its calls share unless they
+    pass ``lookahead_memory=`` / ``speculative_memory=`` (None: a call that neither reads nor writes it); see
+    ``LookaheadMemory`` and ``SpeculativeMemory``. ``disable(model)`` undoes all three. Returns the model.
     """
     if getattr(model.generate, _ENABLED, False):
         return model
     original = model.generate
     model.lookahead_memory = LookaheadMemory()
+    model.speculative_memory = SpeculativeMemory()
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
         kwargs.setdefault("lookahead_memory", model.lookahead_memory)
+        kwargs.setdefault("speculative_memory", model.speculative_memory)
         return route_generate(original, *args, **kwargs)
 
     setattr(generate, _ENABLED, True)
@@ -245,7 +255,7 @@ def enable(model):
 
 
 def route_generate(original, *args, assistant_model=None, decoding=None, spec_config=None, lookahead_config=None,
-                   lookahead_memory=None, **kwargs):
+                   lookahead_memory=None, speculative_memory=None, **kwargs):
     """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``decoding``, to ``original``."""
     mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
     if mode is None:
@@ -266,7 +276,7 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
     if assistant_model is None:
         raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
     return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
-                    spec_config=spec_config, spec_streamer=streamer, **kwargs)
+                    spec_config=spec_config, speculative_memory=speculative_memory, spec_streamer=streamer, **kwargs)
 
 
 def disable(model):
@@ -274,6 +284,7 @@ def disable(model):
     if getattr(model.generate, _ENABLED, False):
         del model.generate
         model.__dict__.pop("lookahead_memory", None)
+        model.__dict__.pop("speculative_memory", None)
     return model
 
 

@@ -1,4 +1,11 @@
-"""``LookaheadMemory``: what lookahead learns in one ``generate`` call, carried into the next calls.
+"""What one ``generate`` call learns, carried into the next calls on the same model.
+
+``SpeculativeMemory``: per draft model, the ``Estimates`` speculative decoding measured with it (the target's
+forward cost t(n), the draft's step time, how often its and prompt lookup's guesses are accepted), so that a
+later call starts sized instead of measuring a plain step and probing a first draft length again. It can be
+seeded from a hardware profile (``seed``) before the first call.
+
+``LookaheadMemory``: what lookahead learns in one call, carried into the next calls.
 
 - ``corpus``: the prompts and outputs of earlier calls, indexed for prompt lookup. Requests repeat each other
   (imports, boilerplate, a test harness, the same function asked for again), so their text predicts the next
@@ -15,13 +22,46 @@ that neither reads nor writes it, or your own ``LookaheadMemory()`` to scope it 
 
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Mapping, Sequence
 
 import torch
 
 from .config import LookaheadConfig
-from .costmodel import Estimates
+from .costmodel import Estimates, ForwardCost
 from .drafters.ngram_pool import HistoryIndex
+
+
+class SpeculativeMemory:
+    """The estimates of each draft model used with one target (held weakly: a draft that is gone is forgotten).
+
+    Outputs never depend on it (every guess is verified); only speed does. ``enable(model)`` keeps one per model
+    as ``model.speculative_memory``; pass ``speculative_memory=None`` for a call that neither reads nor writes
+    it.
+    """
+
+    def __init__(self) -> None:
+        self._by_draft: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def estimates(self, draft) -> Estimates:
+        """The estimates for ``draft`` (made empty on first use)."""
+        found = self._by_draft.get(draft)
+        if found is None:
+            found = self._by_draft[draft] = Estimates()
+        return found
+
+    def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
+             draft_step_seconds: float | None = None) -> None:
+        """Start ``draft``'s estimates from measured costs (a hardware profile): t(n) of the target by inputs,
+        and the seconds of one draft step. Online measurements then refine them."""
+        estimates = self.estimates(draft)
+        if forward_seconds:
+            estimates.forward = ForwardCost.from_table(forward_seconds)
+        if draft_step_seconds is not None:
+            estimates.draft_step.update(draft_step_seconds)
+
+    def clear(self) -> None:
+        self._by_draft = weakref.WeakKeyDictionary()
 
 
 class LookaheadMemory:
