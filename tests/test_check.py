@@ -1,5 +1,6 @@
-"""`hf-specdec check`: tokenizer compatibility (equal, padded, different vocabularies), the cost model,
-teacher-forced acceptance, the vLLM command, exit codes and the --json schema, on tiny random models."""
+"""`hf-specdec check`: tokenizer compatibility (equal, padded, different vocabularies), the hardware profile and
+its choices (fed in with --profile: nothing here depends on this CPU), the cost model, teacher-forced acceptance,
+the vLLM command and the versions it holds for, exit codes and the --json schema, on tiny random models."""
 
 import json
 import shlex
@@ -9,24 +10,38 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_specdec.models import compat
+from hf_specdec.models.profile import HardwareProfile
 from hf_specdec.models.tiny import tiny_model_dir, word_tokenizer
 from hf_specdec.models.cli import main as cli_main
 
-FAST = ["--repeats", "1", "--max-k", "3", "--max-new-tokens", "6", "--dtype", "fp32"]
 TOP_KEYS = {"schema", "compatible", "reason", "hardware", "target", "draft", "tokenizer", "parameter_ratio",
-            "parameter_ratio_guidance", "cost", "acceptance", "prediction", "recommendation", "vllm"}
+            "parameter_ratio_guidance", "profile", "choices", "cost", "profile_error", "acceptance", "prediction",
+            "recommendation", "vllm"}
+# given numbers (seconds): bf16 verifies flat, fp32 steeply; the fp32 draft is the fastest format
+PROFILE = HardwareProfile.from_numbers(
+    {"bf16": {1: 0.20, 2: 0.20, 4: 0.21, 8: 0.22}, "fp32": {1: 0.25, 2: 0.40, 4: 0.70, 8: 1.3}},
+    prefill_per_token={"bf16": 0.002, "fp32": 0.004}, draft={"fp32": 0.03, "bf16": 0.05})
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("check")
     size = len(word_tokenizer().get_vocab())
+    profile = root / "profile.json"
+    profile.write_text(json.dumps(PROFILE.to_dict()))
     return {
         "target": tiny_model_dir(root / "target", seed=0, layers=2),
         "draft": tiny_model_dir(root / "draft", seed=1, layers=1),
         "padded": tiny_model_dir(root / "padded", seed=2, layers=1, vocab_size=size + 12),
         "other": tiny_model_dir(root / "other", tokenizer=word_tokenizer(permute=True), seed=3, layers=1),
+        "profile": profile,
     }
+
+
+@pytest.fixture(scope="module")
+def FAST(dirs):
+    return ["--repeats", "1", "--max-k", "3", "--max-new-tokens", "6", "--dtype", "fp32", "--profile",
+            str(dirs["profile"])]
 
 
 def _check(capsys, *argv):
@@ -138,6 +153,8 @@ def test_vllm_config():
     spec = json.loads(argv[4])
     assert spec == {"method": "draft_model", "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
                     "num_speculative_tokens": 4, "quantization": "bitsandbytes"} == v["speculative_config"]
+    assert v["valid_for"] == ">=0.14" and "vLLM >= 0.14" in v["note"] and "PR #24322" in v["note"]
+    assert "0.10-0.13 reject it" in v["note"]
     plain = compat.vllm_config("/models/t", "/models/d", 3)
     assert "quantization" not in json.loads(shlex.split(plain["command"])[4])
 
@@ -146,7 +163,7 @@ def test_vllm_config():
 # CLI: exit codes and the JSON schema
 
 
-def test_check_compatible_json(dirs, capsys):
+def test_check_compatible_json(dirs, FAST, capsys):
     code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["draft"]), "--json", *FAST)
     assert code == 0, out.err
     report = json.loads(out.out)
@@ -167,8 +184,32 @@ def test_check_compatible_json(dirs, capsys):
     assert rec == compat.recommend(cost, report["prediction"]) and {"mode", "policy", "k", "why"} <= set(rec)
     spec = json.loads(shlex.split(report["vllm"]["command"])[4])
     assert spec["method"] == "draft_model" and spec["model"] == str(dirs["draft"])
+    assert "vLLM >= 0.14" in report["vllm"]["note"] and report["vllm"]["valid_for"] == ">=0.14"
     assert report["hardware"]["dtype"] == "float32" and {"cpu_model", "cpu_flags", "torch_threads"} <= set(
         report["hardware"])
+    assert HardwareProfile.from_dict(report["profile"]) == PROFILE
+    assert report["target"]["choice"] is None and report["target"]["format"] == "fp32"  # --dtype fp32 was asked
+    assert report["draft"]["choice"]["value"] == "fp32" and report["draft"]["format"] == "fp32"
+    assert set(report["profile_error"]) == {"target_step", "draft_step"}
+
+
+def test_check_reports_the_profile_and_loads_what_it_chooses(dirs, capsys):
+    """--dtype auto / --draft-quantize auto load what the (given) profile chooses; --json and the text say why."""
+    argv = ["--target", str(dirs["target"]), "--draft", str(dirs["draft"]), "--repeats", "1", "--max-k", "2",
+            "--max-new-tokens", "4", "--profile", str(dirs["profile"])]
+    code, out = _check(capsys, *argv, "--json", "--prompt-tokens", "64")
+    assert code == 0, out.err
+    report = json.loads(out.out)
+    choices = report["choices"]
+    assert choices["workload"]["prompt_tokens"] == 64 and choices["target_dtype"]["value"] == "bf16"
+    assert "verifying 8 tokens costs 1.10 steps in bf16" in choices["target_dtype"]["why"]
+    assert report["target"]["dtype"] == "bfloat16" and report["target"]["choice"] == choices["target_dtype"]
+    assert report["draft"]["format"] == "fp32" and report["draft"]["choice"]["value"] == "fp32"
+    assert report["hardware"]["dtype"] == "bfloat16"
+    code, out = _check(capsys, *argv)
+    assert code == 0, out.err
+    assert "hardware profile" in out.out and "target dtype: bf16" in out.out and "draft format: fp32" in out.out
+    assert "valid for vLLM >= 0.14 (draft_model method re-added by PR #24322); 0.10-0.13 reject it" in out.out
 
 
 @pytest.mark.parametrize("draft,c,v_step,mode", [
@@ -176,7 +217,7 @@ def test_check_compatible_json(dirs, capsys):
     ("draft", 2.0, 0.01, "lookahead"),      # a draft dearer than the target, verifying nearly free: lookahead
     ("draft", 2.0, 0.5, "plain"),           # a dear draft and dear verification: plain decoding
 ])
-def test_check_recommends_what_the_costs_imply(dirs, capsys, monkeypatch, draft, c, v_step, mode):
+def test_check_recommends_what_the_costs_imply(dirs, FAST, capsys, monkeypatch, draft, c, v_step, mode):
     """Costs fed in (not this CPU's): the recommendation follows them."""
     def measure_costs(target, draft_model, tokenizer, *, shared_vocab, max_k, repeats, prefix_tokens=100):
         v = {str(k): 1.0 + v_step * k for k in range(max_k + 1)}
@@ -190,7 +231,7 @@ def test_check_recommends_what_the_costs_imply(dirs, capsys, monkeypatch, draft,
     assert report["cost"]["c"] == c and report["recommendation"]["mode"] == mode, report["recommendation"]
 
 
-def test_check_padded_vocab_is_compatible(dirs, capsys, tmp_path):
+def test_check_padded_vocab_is_compatible(dirs, FAST, capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def merge the list"}\n\n{"prompt": "class stack"}\n')
     code, out = _check(capsys, "--target", str(dirs["padded"]), "--draft", str(dirs["draft"]), "--json",
@@ -202,22 +243,22 @@ def test_check_padded_vocab_is_compatible(dirs, capsys, tmp_path):
     assert report["acceptance"]["prompts"] == 2
 
 
-def test_check_human_output(dirs, capsys):
+def test_check_human_output(dirs, FAST, capsys):
     code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["draft"]), *FAST)
     assert code == 0 and "recommended: mode=" in out.out and "vllm serve" in out.out and "c = " in out.out
 
 
-def test_check_different_tokenizers_refused(dirs, capsys):
+def test_check_different_tokenizers_refused(dirs, FAST, capsys):
     code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["other"]), "--json", *FAST)
     assert code == 1
     report = json.loads(out.out)
     assert set(report) == TOP_KEYS and not report["compatible"] and "different tokenizers" in report["reason"]
-    assert report["cost"] is None and report["vllm"] is None
+    assert report["cost"] is None and report["vllm"] is None and report["profile"] is None
     code, out = _check(capsys, "--target", str(dirs["target"]), "--draft", str(dirs["other"]), *FAST)
     assert code == 1 and "INCOMPATIBLE" in out.out
 
 
-def test_check_usage_errors(dirs, capsys, tmp_path):
+def test_check_usage_errors(dirs, FAST, capsys, tmp_path):
     t, d = str(dirs["target"]), str(dirs["draft"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
@@ -227,6 +268,9 @@ def test_check_usage_errors(dirs, capsys, tmp_path):
     assert _check(capsys, "--target", t, "--draft", d, "--threads", "0")[0] == 2
     assert _check(capsys, "--target", str(tmp_path / "no-model-here"), "--draft", d)[0] == 2
     assert _check(capsys, "--target", "bundle:no-such-bundle", "--draft", d)[0] == 2
+    assert _check(capsys, "--target", t, "--draft", d, "--profile", str(tmp_path / "missing.json"))[0] == 2
+    assert _check(capsys, "--target", t, "--draft", d, "--profile", str(bad))[0] == 2
+    assert _check(capsys, "--target", t, "--draft", d, "--new-tokens", "0", "--profile", str(dirs["profile"]))[0] == 2
     with pytest.raises(SystemExit) as e:
         cli_main(["check", "--draft-quantize", "3bit"])
     assert e.value.code == 2

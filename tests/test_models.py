@@ -1,4 +1,4 @@
-"""hf_specdec.models: bundles (assembly, sha256, atomic cache), references, dtype "auto", quantization, OOM at
+"""hf_specdec.models: bundles (assembly, sha256, atomic cache), references, dtype names, quantization, OOM at
 load, the `models` CLI, and one real bundle (SmolLM2-135M, fetched once into the cache) end to end."""
 
 import dataclasses
@@ -14,6 +14,7 @@ from hf_specdec.models import TINY_TARGET, bundles, hardware, loading
 from hf_specdec.models.tiny import fake_bundle, tiny_model_dir
 from hf_specdec.models.bundles import BundleError, assemble, gguf_path
 from hf_specdec.models.cli import main as cli_main
+from hf_specdec.models.profile import model_format
 
 
 def _no_network(package, version, dest):
@@ -138,22 +139,19 @@ def test_reference_kind(tmp_path):
         loading.resolve_reference(str(tmp_path / "missing.gguf"))
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
-    ({"avx2", "amx_bf16", "amx_tile"}, torch.bfloat16),
-    ({"avx2", "avx512f"}, torch.float32),
-    (set(), torch.float32),
-])
-def test_dtype_auto_cpu(monkeypatch, flags, expected):
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
-    assert hardware.resolve_dtype("auto", "cpu") == expected
+def test_dtype_auto_is_measured_not_a_flag_rule(monkeypatch):
+    """dtype="auto" is the hardware profile's choice (tests/test_profile.py); no CPU flag decides it."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    with pytest.raises(ValueError, match="measured hardware profile"):
+        hardware.resolve_dtype("auto", "cpu")
+    assert hardware.cpu_has_bf16()  # still reported (check's hardware record), never used to choose
 
 
 @pytest.mark.parametrize("bf16,expected", [(True, torch.bfloat16), (False, torch.float16)])
-def test_dtype_auto_cuda(monkeypatch, bf16, expected):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def test_quantized_compute_dtype_cuda(monkeypatch, bf16, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
-    assert hardware.resolve_dtype("auto", "cuda") == expected
+    assert hardware.quantized_compute_dtype("cuda") == expected
+    assert hardware.quantized_compute_dtype("cpu") == torch.bfloat16
 
 
 def test_dtype_names():
@@ -163,6 +161,7 @@ def test_dtype_names():
         hardware.resolve_dtype("int3")
     with pytest.raises(ValueError, match="quantize"):
         hardware.quantization_config("2bit")
+    assert hardware.quantization_config("dynamic-int8") is None  # applied after loading
     q = hardware.quantization_config("4bit")
     assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_compute_dtype == torch.bfloat16
 
@@ -198,9 +197,27 @@ def test_load_4bit_tiny(tmp_path):
     full = loading.load_model(str(path), dtype="bf16").model
     q, _, info = loading.load_model(str(path), dtype="bf16", quantize="4bit")
     assert type(q.model.layers[0].mlp.up_proj).__name__ == "Linear4bit" and info.quantize == "4bit"
+    assert hardware.footprint_bytes(q) < hardware.footprint_bytes(full) and model_format(q) == "4bit"
+    with torch.no_grad():
+        assert q(torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, full.config.vocab_size)
+
+
+def test_load_dynamic_int8(tiny_dir):
+    full = loading.load_model(str(tiny_dir), dtype="fp32").model
+    q, _, info = loading.load_model(str(tiny_dir), quantize="dynamic-int8")
+    assert (info.dtype, info.quantize, info.choice) == ("float32", "dynamic-int8", None) and model_format(q) == \
+        "dynamic-int8"
+    assert type(q.lm_head) is torch.nn.Linear  # the output layer stays a plain Linear (it can be narrowed)
     assert hardware.footprint_bytes(q) < hardware.footprint_bytes(full)
     with torch.no_grad():
         assert q(torch.tensor([[1, 5, 6]])).logits.shape == (1, 3, full.config.vocab_size)
+    with pytest.raises(ValueError, match="fp32 model on CPU"):
+        hardware.quantize_dynamic_int8(full.to(torch.bfloat16))
+
+
+def test_available_memory_is_known_on_this_host():
+    free = hardware.available_memory_bytes("cpu")
+    assert free is None or free > 0
 
 
 @pytest.mark.parametrize("exc", [
@@ -223,7 +240,7 @@ def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
 def test_other_load_errors_pass_through(monkeypatch, tiny_dir):
     monkeypatch.setattr(loading, "_from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
     with pytest.raises(RuntimeError, match="bad") as info:
-        loading.load_model(str(tiny_dir))
+        loading.load_model(str(tiny_dir), dtype="bf16")
     assert not isinstance(info.value, hardware.ModelLoadOOMError)
 
 
@@ -257,7 +274,9 @@ def test_register_adds_commands():
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["check", "--target", "a", "--draft", "b", "--json"])
     assert callable(args.func) and args.json and args.target == "a"
+    assert (args.dtype, args.draft_quantize, args.prompt_tokens, args.new_tokens) == ("auto", "auto", 256, 128)
     assert callable(parser.parse_args(["models", "list"]).func)
+    assert callable(parser.parse_args(["tune", "--draft", "none"]).func)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,7 +292,7 @@ def smollm2_bundle():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_bundle):
-    return loading.load_model(f"bundle:{TINY_TARGET}", dtype="auto")
+    return loading.load_model(f"bundle:{TINY_TARGET}", dtype="bf16")
 
 
 @pytest.mark.network

@@ -1,6 +1,6 @@
-"""``hf-specdec models fetch|list`` and ``hf-specdec check``.
+"""``hf-specdec models fetch|list``, ``hf-specdec check`` and ``hf-specdec tune``.
 
-``register(subparsers)`` adds both commands to the top-level parser (hf_specdec/cli.py); each sets
+``register(subparsers)`` adds the commands to the top-level parser (hf_specdec/cli.py); each sets
 ``func(args) -> int`` (the exit code).
 
 Exit codes: 0 success / compatible pair, 1 failure / incompatible pair (or the pair cannot be loaded in this
@@ -114,8 +114,34 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+DRAFT_QUANTIZE_CHOICES = ("auto", "none", "4bit", "8bit", "dynamic-int8")
+
+
+def _workload(args):
+    from .profile import Workload
+
+    return Workload(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+
+
+def _set_threads(args) -> bool:
+    if args.threads is None:
+        return True
+    if args.threads < 1:
+        _err("--threads must be >= 1")
+        return False
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return True
+
+
+def _log(msg: str) -> None:
+    print(f"[hf_specdec] {msg}", file=sys.stderr, flush=True)
+
+
 def cmd_check(args) -> int:
     from .compat import format_report, run_check
+    from .profile import read_profile_file
 
     if args.max_new_tokens < 1 or args.repeats < 1 or not 1 <= args.max_k <= 32:
         _err("--max-new-tokens and --repeats must be >= 1, --max-k in [1, 32]")
@@ -127,20 +153,20 @@ def cmd_check(args) -> int:
         except (OSError, ValueError) as e:
             _err(f"--prompts: {e}")
             return EXIT_USAGE
-    if args.threads is not None:
-        if args.threads < 1:
-            _err("--threads must be >= 1")
-            return EXIT_USAGE
-        import torch
-
-        torch.set_num_threads(args.threads)
-    log = (lambda msg: print(f"[hf_specdec] {msg}", file=sys.stderr, flush=True))
+    if not _set_threads(args):
+        return EXIT_USAGE
+    try:
+        workload = _workload(args)
+        profile = read_profile_file(args.profile) if args.profile else None
+    except (OSError, ValueError, KeyError) as e:
+        _err(f"{'--profile' if args.profile else 'workload'}: {e}")
+        return EXIT_USAGE
     quantize = None if args.draft_quantize == "none" else args.draft_quantize
     try:
         report = run_check(args.target, args.draft, prompts=prompts, max_new_tokens=args.max_new_tokens,
                            draft_quantize=quantize, dtype=args.dtype, device=args.device,
                            cache_dir=args.cache_dir, repeats=args.repeats, max_k=args.max_k,
-                           progress=not args.json, log=log)
+                           progress=not args.json, log=_log, profile=profile, tune=args.tune, workload=workload)
     except ModelLoadOOMError as e:
         _err(str(e))
         return EXIT_FAIL
@@ -157,40 +183,107 @@ def cmd_check(args) -> int:
     return EXIT_OK if report["compatible"] else EXIT_FAIL
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=256,
+                   help="prompt length the dtype is chosen for (default 256; prefill is priced in)")
+    p.add_argument("--new-tokens", type=int, default=128, help="new tokens the dtype is chosen for (default 128)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 avoids oversubscription on a busy machine; "
+                        "the profile is kept per thread count)")
+
+
 def _add_check(subparsers) -> None:
     from . import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p = subparsers.add_parser(
         "check", help="is this draft compatible with this target, and how fast would it be here?",
-        description="Tokenizer compatibility, parameter ratio, measured cost ratio c and verify cost v(k), "
-                    "acceptance on a few prompts, predicted speedup per k, a recommendation and the "
-                    "equivalent vLLM command. Exit 0: compatible, 1: incompatible, 2: usage error.")
+        description="Tokenizer compatibility, parameter ratio, the hardware profile and what it chooses (target "
+                    "dtype, draft format), measured cost ratio c and verify cost v(k), acceptance on a few prompts, "
+                    "predicted speedup per k, a recommendation and the equivalent vLLM command. Exit 0: compatible, "
+                    "1: incompatible, 2: usage error.")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target reference (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft reference (default {DEFAULT_DRAFT})")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/models.md)")
     p.add_argument("--prompts", help='JSONL file with one {"prompt": ...} per line (default: built-in coding prompts)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
-    p.add_argument("--draft-quantize", choices=("none", "4bit", "8bit"), default="none")
-    p.add_argument("--dtype", default="auto", help="auto, bf16, fp16 or fp32 (default auto)")
+    p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default="auto",
+                   help="draft format: auto (the profile's fastest that fits), none (the target's dtype), 4bit, 8bit "
+                        "or dynamic-int8 (default auto)")
+    p.add_argument("--dtype", default="auto", help="target dtype: auto (the profile's choice), bf16, fp16 or fp32")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats, the median is used (default 5)")
     p.add_argument("--max-k", type=int, default=8, help="largest draft length to evaluate (default 8)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 avoids oversubscription on a busy machine)")
+    p.add_argument("--tune", action="store_true", help="measure the hardware profile again (else: cached)")
+    p.add_argument("--profile", metavar="FILE", help="use this profile (JSON from `hf-specdec tune --json`) instead "
+                                                     "of the cached or measured one")
+    _add_workload_args(p)
     _add_cache_args(p)
     p.set_defaults(func=cmd_check)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# tune
+
+
+def cmd_tune(args) -> int:
+    from .compat import format_choices, profile_choices
+    from .hardware import available_memory_bytes, resolve_device
+    from .profile import get_profile
+
+    if not _set_threads(args):
+        return EXIT_USAGE
+    try:
+        workload = _workload(args)
+        device = resolve_device(args.device)
+        draft = None if args.draft in ("", "none") else args.draft
+        profile = get_profile(args.target, draft, device=device, cache_dir=args.cache_dir,
+                              refresh=not args.cached, log=_log)
+    except BundleError as e:
+        _err(str(e))
+        return EXIT_USAGE if "unknown bundle" in str(e) else EXIT_FAIL
+    except (OSError, ValueError) as e:
+        _err(f"{type(e).__name__}: {e}")
+        return EXIT_USAGE
+    choices = profile_choices(profile, workload, available_memory_bytes(device))
+    if args.json:
+        print(json.dumps({"schema": "hf_specdec.tune/1", "target": args.target, "draft": draft,
+                          "profile": profile.to_dict(), "choices": choices}))
+    else:
+        print(profile.describe())
+        print("\n".join(format_choices(choices)))
+    return EXIT_OK if profile.target or profile.draft else EXIT_FAIL
+
+
+def _add_tune(subparsers) -> None:
+    from . import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p = subparsers.add_parser(
+        "tune", help="measure (or refresh) the hardware profile of a target/draft pair and show what it chooses",
+        description="Measures what a forward costs here per target dtype (t(n), prefill) and per draft format "
+                    "(one step), on proxies of the models' shapes (seconds; no weights loaded), caches it under "
+                    "the hf_specdec cache dir and prints it with the choices dtype='auto' / quantize='auto' make.")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target reference (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help=f"draft reference (default {DEFAULT_DRAFT}; 'none': the target only)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    p.add_argument("--cached", action="store_true", help="measure only what is not cached yet")
+    p.add_argument("--json", action="store_true", help="print one JSON object (usable as `check --profile`)")
+    _add_workload_args(p)
+    _add_cache_args(p)
+    p.set_defaults(func=cmd_tune)
+
+
 def register(subparsers) -> None:
-    """Add the ``models`` and ``check`` subcommands to ``subparsers`` (from ``add_subparsers()``)."""
+    """Add the ``models``, ``check`` and ``tune`` subcommands to ``subparsers`` (from ``add_subparsers()``)."""
     _add_models(subparsers)
     _add_check(subparsers)
+    _add_tune(subparsers)
 
 
 def main(argv=None) -> int:
     """Standalone entry (``python -m hf_specdec.models.cli``); the package CLI is hf_specdec/cli.py."""
     parser = argparse.ArgumentParser(prog="hf-specdec")
-    sub = parser.add_subparsers(dest="command", metavar="{models,check}")
+    sub = parser.add_subparsers(dest="command", metavar="{models,check,tune}")
     sub.required = True
     register(sub)
     args = parser.parse_args(argv)

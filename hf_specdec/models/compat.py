@@ -20,10 +20,15 @@ Predicted speedup for k draft tokens per round::
     speedup(k) = E(k) / ((k * t_draft + t_verify(k + 1)) / t_step) = E(k) / (k * c + v(k))
 
 with E(k) = (1 - alpha^(k+1)) / (1 - alpha) (i.i.d. acceptance) or the measured run-length mean.
+
+Before loading anything, the check takes the hardware profile of the pair (``hf_specdec.models.profile``: measured
+once per model, device and torch version, then cached; ``tune`` refreshes it) and reports what ``dtype="auto"``
+and ``quantize="auto"`` choose from it and why; the models are loaded as chosen (or as asked).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from typing import Any, Sequence
@@ -33,10 +38,16 @@ import torch
 from ..harness.machine import machine_record
 from ..harness.run import measure_costs as harness_costs
 from .bundles import BUNDLES
-from .hardware import cpu_has_bf16, footprint_bytes, resolve_device, resolve_dtype
-from .loading import load_config, load_model, load_tokenizer, reference_kind, resolve_reference
+from .hardware import available_memory_bytes, cpu_has_bf16, footprint_bytes, resolve_device
+from .loading import load_config, load_pair, load_tokenizer, reference_kind, resolve_reference
+from .profile import HardwareProfile, Workload, choose_draft_format, choose_dtype, get_profile
 
-SCHEMA = "hf_specdec.check/2"
+SCHEMA = "hf_specdec.check/3"
+# vLLM V1 dropped draft-model speculation and re-added it as "method": "draft_model" (PR #24322); 0.13.0 still
+# raises "Speculative decoding with draft model is not supported yet" (vllm-project/vllm#31883)
+VLLM_MIN_VERSION = "0.14"
+VLLM_NOTE = (f"valid for vLLM >= {VLLM_MIN_VERSION} (draft_model method re-added by PR #24322); 0.10-0.13 reject it "
+             "(V1 had no draft-model speculation); 0.9 and older took the draft as speculative_model")
 RATIO_GUIDANCE = 1 / 50
 SPECULATIVE_MIN_SPEEDUP = 1.1
 
@@ -251,16 +262,17 @@ def serving_name(ref: str) -> str:
 
 
 def vllm_config(target_ref: str, draft_ref: str, k: int, draft_quantize: str | None = None) -> dict:
-    """The equivalent ``vllm serve`` command with a draft-model speculative config (validated JSON)."""
+    """The equivalent ``vllm serve`` command with a draft-model speculative config (validated JSON), and the vLLM
+    versions it is valid for (``valid_for``, ``note``)."""
     spec: dict[str, Any] = {"method": "draft_model", "model": serving_name(draft_ref),
                             "num_speculative_tokens": max(1, int(k))}
-    if draft_quantize == "4bit":
+    if draft_quantize in ("4bit", "8bit"):
         spec["quantization"] = "bitsandbytes"
     text = json.dumps(spec)
     if json.loads(text) != spec:  # pragma: no cover - json round trip of plain values
         raise ValueError(f"speculative config does not round-trip through JSON: {text}")
     command = f"vllm serve {shlex.quote(serving_name(target_ref))} --speculative-config {shlex.quote(text)}"
-    return {"command": command, "speculative_config": spec}
+    return {"command": command, "speculative_config": spec, "valid_for": f">={VLLM_MIN_VERSION}", "note": VLLM_NOTE}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,29 +281,59 @@ def vllm_config(target_ref: str, draft_ref: str, k: int, draft_quantize: str | N
 
 def _model_info(ref: str, resolved, rows: int) -> dict:
     return {"ref": ref, "kind": resolved.kind, "path": resolved.path, "vocab_size": rows, "parameters": None,
-            "footprint_bytes": None, "dtype": None, "quantize": None, "load_time_s": None}
+            "footprint_bytes": None, "dtype": None, "quantize": None, "format": None, "load_time_s": None,
+            "choice": None}
+
+
+def profile_choices(profile: HardwareProfile, workload: Workload, memory_bytes: int | None = None) -> dict:
+    """What ``dtype="auto"`` and ``quantize="auto"`` choose from ``profile`` (each a ``Choice.to_dict()`` or None
+    where the profile has nothing to choose from), and the workload they are chosen for."""
+    target = choose_dtype(profile, workload) if profile.target else None
+    draft = (choose_draft_format(profile, memory_bytes=memory_bytes, target_dtype=target.value if target else None)
+             if profile.draft else None)
+    return {"workload": dataclasses.asdict(workload), "target_dtype": target.to_dict() if target else None,
+            "draft_format": draft.to_dict() if draft else None}
+
+
+def _profile_error(profile: HardwareProfile, cost: dict, target_format: str, draft_format: str) -> dict:
+    """The profile's t(1) of the loaded formats against the real models' measured here (relative error)."""
+    out: dict[str, float | None] = {"target_step": None, "draft_step": None}
+    if target_format in profile.target_formats:
+        out["target_step"] = profile.target_entry(target_format).t1 * 1e3 / cost["t_step_ms"] - 1
+    if draft_format in profile.draft_formats:
+        out["draft_step"] = profile.draft_step(draft_format) * 1e3 / cost["t_draft_ms"] - 1
+    return out
 
 
 def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None = None, max_new_tokens: int = 64,
-              draft_quantize: str | None = None, dtype: str = "auto", device: str = "cpu", cache_dir=None,
-              repeats: int = 5, max_k: int = 8, progress: bool = True, log=None) -> dict:
-    """Run the whole check and return the report (the ``--json`` object, schema in docs/models.md)."""
+              draft_quantize: str | None = "auto", dtype: str = "auto", device: str = "cpu", cache_dir=None,
+              repeats: int = 5, max_k: int = 8, progress: bool = True, log=None,
+              profile: HardwareProfile | None = None, tune: bool = False, workload: Workload | None = None) -> dict:
+    """Run the whole check and return the report (the ``--json`` object, schema in docs/models.md).
+
+    ``profile``: use this hardware profile instead of the cached / measured one; ``tune``: measure it again.
+    ``dtype`` and ``draft_quantize`` "auto" load the models as the profile chooses for ``workload``.
+    """
+    from .profile import model_format
+
     log = log or (lambda msg: None)
     device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
+    workload = workload or Workload()
     prompts = list(prompts) if prompts else list(BUILTIN_PROMPTS)
     report: dict[str, Any] = {
         "schema": SCHEMA, "compatible": False, "reason": None,
-        "hardware": {**machine_record(device, torch_dtype), "cpu_bf16": cpu_has_bf16()},
+        "hardware": {**machine_record(device, None if dtype == "auto" else dtype), "cpu_bf16": cpu_has_bf16()},
         "target": None, "draft": None, "tokenizer": None,
-        "parameter_ratio": None, "parameter_ratio_guidance": RATIO_GUIDANCE,
-        "cost": None, "acceptance": None, "prediction": None, "recommendation": None, "vllm": None,
+        "parameter_ratio": None, "parameter_ratio_guidance": RATIO_GUIDANCE, "profile": None, "choices": None,
+        "cost": None, "profile_error": None, "acceptance": None, "prediction": None, "recommendation": None,
+        "vllm": None,
     }
     # 1. tokenizers and configs only: an incompatible pair is refused before any weights load
     rt = resolve_reference(target_ref, cache_dir=cache_dir, progress=progress)
     rd = resolve_reference(draft_ref, cache_dir=cache_dir, progress=progress)
     tok_t, tok_d = load_tokenizer(rt), load_tokenizer(rd)
-    rows_t, rows_d = vocab_rows(load_config(rt)), vocab_rows(load_config(rd))
+    config_t, config_d = load_config(rt), load_config(rd)
+    rows_t, rows_d = vocab_rows(config_t), vocab_rows(config_d)
     report["target"], report["draft"] = _model_info(target_ref, rt, rows_t), _model_info(draft_ref, rd, rows_d)
     compat = tokenizer_compatibility(tok_t, tok_d, rows_t, rows_d)
     report["tokenizer"] = compat
@@ -299,28 +341,54 @@ def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None 
     if not compat["compatible"]:
         return report
 
-    # 2. load and size
+    # 2. the hardware profile and what it chooses, then load and size
+    if profile is None:
+        profile = get_profile(rt, rd, device=device, cache_dir=cache_dir, refresh=tune, log=log)
+    report["profile"] = profile.to_dict()
+    report["choices"] = profile_choices(profile, workload, available_memory_bytes(device))
     log("loading target and draft...")
-    target, _, target_load = load_model(target_ref, dtype=torch_dtype, device=device, cache_dir=cache_dir,
-                                        progress=progress)
-    draft, _, draft_load = load_model(draft_ref, dtype=torch_dtype, quantize=draft_quantize, device=device,
-                                      cache_dir=cache_dir, progress=progress)
+    (target, _, target_load), (draft, _, draft_load) = load_pair(
+        target_ref, draft_ref, dtype=dtype, draft_quantize=draft_quantize, device=device, cache_dir=cache_dir,
+        progress=progress, profile=profile, workload=workload)
+    report["hardware"]["dtype"] = target_load.dtype
     for info, model, load in ((report["target"], target, target_load), (report["draft"], draft, draft_load)):
         info.update(parameters=model.num_parameters(), footprint_bytes=footprint_bytes(model), dtype=load.dtype,
-                    quantize=load.quantize, load_time_s=load.load_time_s)
+                    quantize=load.quantize, format=model_format(model), load_time_s=load.load_time_s,
+                    choice=load.choice.to_dict() if load.choice else None)
     report["parameter_ratio"] = report["draft"]["parameters"] / report["target"]["parameters"]
     shared = compat["shared_vocab_size"]
 
     # 3. cost, 4. acceptance, prediction
     log(f"measuring c and v(k) for k=0..{max_k} ({repeats} repeats)...")
     report["cost"] = measure_costs(target, draft, tok_t, shared_vocab=shared, max_k=max_k, repeats=repeats)
+    report["profile_error"] = _profile_error(profile, report["cost"], report["target"]["format"],
+                                             report["draft"]["format"])
     log(f"measuring acceptance on {len(prompts)} prompts ({max_new_tokens} greedy tokens each)...")
     report["acceptance"] = measure_acceptance(target, draft, tok_t, prompts, shared_vocab=shared,
                                               max_new_tokens=max_new_tokens, max_k=max_k)
     report["prediction"] = predict(report["cost"], report["acceptance"], max_k)
     report["recommendation"] = recommend(report["cost"], report["prediction"])
-    report["vllm"] = vllm_config(target_ref, draft_ref, report["recommendation"]["k"] or 1, draft_quantize)
+    report["vllm"] = vllm_config(target_ref, draft_ref, report["recommendation"]["k"] or 1, draft_load.quantize)
     return report
+
+
+def format_choices(choices: dict, loaded: dict | None = None) -> list[str]:
+    """Text lines for the profile's choices (and, when given, what was loaded: ``{"target": fmt, "draft": fmt}``)."""
+    lines = []
+    for key, what, role in (("target_dtype", "target dtype", "target"), ("draft_format", "draft format", "draft")):
+        choice = choices.get(key)
+        if choice is None:
+            continue
+        used = (loaded or {}).get(role)
+        note = "" if used in (None, choice["value"]) else f" (loaded as {used}, as asked)"
+        lines.append(f"{what}: {choice['value']}{note}: {choice['why']}")
+        if choice.get("split"):
+            lines.append(f"  split: {choice['split']}")
+    w = choices.get("workload")
+    if w:
+        lines.append(f"  (chosen for a {w['prompt_tokens']}-token prompt, {w['new_tokens']} new tokens, draft "
+                     f"acceptance {w['acceptance']:g}; --prompt-tokens / --new-tokens change it)")
+    return lines
 
 
 def format_report(report: dict) -> str:
@@ -346,8 +414,18 @@ def format_report(report: dict) -> str:
                  f"ratio 1/{1 / ratio:.1f} (common guidance ~1/50; the measured cost below is what counts)")
     lines.append(f"memory  target {gb(t['footprint_bytes'])} ({t['dtype']}), draft {gb(d['footprint_bytes'])} "
                  f"({d['quantize'] or d['dtype']})")
+    if report.get("profile"):
+        lines.append("")
+        lines.append(HardwareProfile.from_dict(report["profile"]).describe())
+        lines.extend(format_choices(report["choices"], {"target": t.get("format"), "draft": d.get("format")}))
+        lines.append("")
     c = report["cost"]
     lines.append(f"cost  target step {c['t_step_ms']:.1f} ms, draft step {c['t_draft_ms']:.1f} ms: c = {c['c']:.3f}")
+    err = report.get("profile_error") or {}
+    if err.get("target_step") is not None or err.get("draft_step") is not None:
+        fmt = lambda x: "n/a" if x is None else f"{x:+.0%}"  # noqa: E731
+        lines.append(f"  profile vs these models: target step {fmt(err.get('target_step'))}, draft step "
+                     f"{fmt(err.get('draft_step'))}")
     lines.append("verify cost v(k) (k+1 tokens vs 1): " +
                  "  ".join(f"{k}:{v:.2f}" for k, v in c["verify_cost"].items()))
     a = report["acceptance"]
@@ -362,4 +440,5 @@ def format_report(report: dict) -> str:
     lines.append("")
     lines.append(f"recommended: mode={rec['mode']} policy={rec['policy']} k={rec['k']}: {rec['why']}")
     lines.append(f"vLLM: {report['vllm']['command']}")
+    lines.append(f"  {report['vllm']['note']}")
     return "\n".join(lines)

@@ -14,7 +14,8 @@ random weights, real embedding and ``lm_head`` sizes, then the same model with 1
 t1 and t2 their times, ``t = t1 + (L - 1) * (t2 - t1)`` for the real layer count L (head + L layers), per n;
 footprints scale the same way. Every dtype and format is measured without loading the real weights once.
 Quantized proxies go through the same ``from_pretrained`` path as ``load_model`` (saved to a temporary dir).
-Measured against the real Qwen2.5-Coder-1.5B on the development CPU, see docs/models.md.
+bitsandbytes 8-bit is measured on the real weights instead: its cost depends on the activations' outliers,
+which random weights lack. Proxies against the real Qwen2.5-Coder pair on the development CPU: docs/models.md.
 t(n) comes from ``hf_specdec.costmodel.forward_times``, the one offline probe.
 
 **Cache.** One JSON file per measurement under ``<cache>/profiles/``, keyed by ``ProfileKey``: the role
@@ -65,6 +66,7 @@ TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CONTEXT_TOKENS = 100
 PREFILL_TOKENS = 256
 REPEATS = 3
+ROUNDS, MAX_ROUNDS, ROUNDS_AGREE = 2, 4, 0.15  # proxy rounds: 2, up to 4 until two agree within 15%
 VERIFY_PROBE = 8  # the "verifying 8 tokens costs x steps" figure of a dtype's why
 
 # every format a profile can hold; for drafts, also the tie-break order (full precision first, then less memory)
@@ -193,13 +195,13 @@ class DeviceIdentity:
 
     @property
     def label(self) -> str:
-        """Short: "CPU (amx_bf16)", "CPU (avx2)", "GPU NVIDIA H200"."""
+        """Short: "this CPU (amx_bf16)", "this CPU (avx2)", "this GPU (NVIDIA H200)", "the given device"."""
         if self.kind == "cuda":
-            return f"GPU {self.name}"
+            return f"this GPU ({self.name})"
         if self.kind == "given":
-            return "this device"
+            return "the given device"
         best = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in self.flags), None)
-        return f"CPU ({best})" if best else "CPU"
+        return f"this CPU ({best})" if best else "this CPU"
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "flags": list(self.flags), "threads": self.threads}
@@ -601,20 +603,45 @@ def _scaled(one: float, two: float, layers: int) -> float:
     return one + (layers - 1) * max(two - one, 0.0)
 
 
-def measure_format(config, role: str, fmt: str, device: str = "cpu", *, sizes: Sequence[int] | None = None,
-                   repeats: int = REPEATS, context_tokens: int = CONTEXT_TOKENS,
+def _agreeing(scaled: list[float]) -> bool:
+    """Two of the rounds' t(1) estimates within ``ROUNDS_AGREE`` of each other (another process stealing the CPU
+    for a while only makes a round slower: the fastest two agreeing means that it did not hit both)."""
+    best = sorted(scaled)[:2]
+    return len(best) == 2 and best[1] <= best[0] * (1 + ROUNDS_AGREE)
+
+
+def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: str | None = None, *,
+                   sizes: Sequence[int] | None = None, repeats: int = REPEATS, context_tokens: int = CONTEXT_TOKENS,
                    prefill_tokens: int = PREFILL_TOKENS) -> FormatCost:
     """Measure one format by proxies (see the module docstring): t(n) (a target: ``sizes``, default
-    ``TARGET_SIZES``; a draft: n = 1) and, for a target, the prefill; scaled to the real layer count."""
+    ``TARGET_SIZES``; a draft: n = 1) and, for a target, the prefill; scaled to the real layer count.
+
+    The 2-layer and 1-layer proxies are timed in alternating rounds (``forward_times`` medians), at least
+    ``ROUNDS`` and up to ``MAX_ROUNDS`` until two rounds agree; each time is the fastest round's (interference
+    from other processes only ever adds time).
+
+    bitsandbytes 8-bit (LLM.int8) is the exception: its matmul splits off the activation columns above its
+    outlier threshold, which real models have and random proxies do not (a 0.5B proxy measured 28 ms, the real
+    model 118 ms), so it is measured on the real weights (``weights``: the directory ``from_pretrained`` reads)
+    and is unavailable from a config alone.
+    """
     device = resolve_device(device)
     sizes = tuple(sizes or (TARGET_SIZES if role == "target" else (1,)))
+    if as_format(fmt) == "8bit":
+        return _measure_real_8bit(weights, role, device, sizes, repeats, context_tokens, prefill_tokens)
     layers = int(_text_config(config).num_hidden_layers)
+    rounds: dict[int, list] = {2: [], 1: []}
     with tempfile.TemporaryDirectory(prefix="hf_specdec_proxy_") as workdir:
         try:
-            two_layers = build_proxy(config, fmt, device, 2, workdir)
-            one_layer = one_layer_view(two_layers)
-            two = _timings(two_layers, role, sizes, repeats, context_tokens, prefill_tokens)
-            one = _timings(one_layer, role, sizes, repeats, context_tokens, prefill_tokens)
+            proxies = {2: build_proxy(config, fmt, device, 2, workdir)}
+            proxies[1] = one_layer_view(proxies[2])
+            for done in range(1, MAX_ROUNDS + 1):
+                for count in (2, 1):
+                    rounds[count].append(_timings(proxies[count], role, sizes, repeats, context_tokens,
+                                                  prefill_tokens))
+                scaled = [_scaled(one[0][1], two[0][1], layers) for one, two in zip(rounds[1], rounds[2])]
+                if done >= ROUNDS and _agreeing(scaled):
+                    break
         except (RuntimeError, ValueError, NotImplementedError, AssertionError) as err:
             if isinstance(err, FormatUnavailable):
                 raise
@@ -622,25 +649,52 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", *, sizes: S
         finally:
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    step = {n: _scaled(one[0][n], two[0][n], layers) for n in sizes}
-    prefill = _scaled(one[1], two[1], layers) if one[1] is not None else None
-    footprint = int(_scaled(one[2], two[2], layers))
+    fastest = {count: {n: min(r[0][n] for r in rounds[count]) for n in sizes} for count in (1, 2)}
+    step = {n: _scaled(fastest[1][n], fastest[2][n], layers) for n in sizes}
+    prefill = None
+    if rounds[1][0][1] is not None:
+        prefill = _scaled(min(r[1] for r in rounds[1]), min(r[1] for r in rounds[2]), layers)
+    footprint = int(_scaled(rounds[1][0][2], rounds[2][0][2], layers))
     return FormatCost(fmt, step, prefill_tokens if prefill is not None else 0, prefill, footprint, "proxy",
                       context_tokens)
 
 
 def measure_model(model, role: str = "target", *, sizes: Sequence[int] | None = None, repeats: int = REPEATS,
-                  context_tokens: int = CONTEXT_TOKENS, prefill_tokens: int = PREFILL_TOKENS) -> FormatCost:
-    """The same measurement on a loaded model itself (``method="real"``): to validate the proxies, or to profile
-    a model whose config cannot be rebuilt."""
+                  context_tokens: int = CONTEXT_TOKENS, prefill_tokens: int = PREFILL_TOKENS,
+                  rounds: int = ROUNDS) -> FormatCost:
+    """The same measurement on a loaded model itself (``method="real"``; the fastest of ``rounds`` rounds): to
+    validate the proxies, for formats whose cost depends on the weights (8-bit), or for any loaded model."""
     sizes = tuple(sizes or (TARGET_SIZES if role == "target" else (1,)))
-    steps, prefill, footprint = _timings(model, role, sizes, repeats, context_tokens, prefill_tokens)
-    return FormatCost(model_format(model), steps, prefill_tokens if prefill is not None else 0, prefill, footprint,
-                      "real", context_tokens)
+    samples = [_timings(model, role, sizes, repeats, context_tokens, prefill_tokens) for _ in range(max(1, rounds))]
+    steps = {n: min(s[0][n] for s in samples) for n in sizes}
+    prefill = None if samples[0][1] is None else min(s[1] for s in samples)
+    return FormatCost(model_format(model), steps, prefill_tokens if prefill is not None else 0, prefill,
+                      samples[0][2], "real", context_tokens)
+
+
+def _measure_real_8bit(weights: str | None, role: str, device: str, sizes, repeats: int, context_tokens: int,
+                       prefill_tokens: int) -> FormatCost:
+    from . import loading
+
+    if weights is None:
+        raise FormatUnavailable("bitsandbytes 8-bit costs depend on the real activations' outliers: measured on the "
+                                "model's weights only (give a reference, not a config)")
+    try:
+        qconfig = quantization_config("8bit")
+    except ImportError as err:
+        raise FormatUnavailable(str(err)) from None
+    try:
+        with _quiet_bitsandbytes():
+            model = loading._from_pretrained(str(weights), dtype=quantized_compute_dtype(device),
+                                             quantization_config=qconfig, device_map={"": device}).eval()
+            return measure_model(model, role, sizes=sizes, repeats=repeats, context_tokens=context_tokens,
+                                 prefill_tokens=prefill_tokens)
+    except (RuntimeError, ValueError, NotImplementedError, AssertionError, OSError) as err:
+        raise FormatUnavailable(f"{type(err).__name__}: {str(err)[:160]}") from None
 
 
 # -- the cache ------------------------------------------------------------------------------------------------------
-Measurer = Callable[[Any, str, str, str], FormatCost]  # (config, role, format, device) -> FormatCost
+Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights) -> FormatCost
 
 
 def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
@@ -673,23 +727,28 @@ def write_entry(key: ProfileKey, cost: FormatCost, cache_dir=None, seconds: floa
 
 
 def config_of(model_or_ref, *, cache_dir=None, progress: bool = True):
-    """A config from a config, a model (its ``.config``) or a reference (``load_model``'s kinds)."""
+    """``(config, weights)`` of a config, a model (its ``.config``) or a reference (``load_model``'s kinds, or a
+    ``ResolvedRef``); ``weights``: the directory ``from_pretrained`` loads the weights from (None without one, and
+    for a GGUF file, which bitsandbytes cannot quantize)."""
     from transformers import PretrainedConfig
 
-    if isinstance(model_or_ref, PretrainedConfig):
-        return model_or_ref
-    if isinstance(model_or_ref, torch.nn.Module):
-        return model_or_ref.config
-    from .loading import load_config, resolve_reference
+    from .loading import ResolvedRef, load_config, resolve_reference
 
-    return load_config(resolve_reference(str(model_or_ref), cache_dir=cache_dir, progress=progress))
+    if isinstance(model_or_ref, PretrainedConfig):
+        return model_or_ref, None
+    if isinstance(model_or_ref, torch.nn.Module):
+        return model_or_ref.config, None
+    resolved = model_or_ref if isinstance(model_or_ref, ResolvedRef) else \
+        resolve_reference(str(model_or_ref), cache_dir=cache_dir, progress=progress)
+    return load_config(resolved), (None if resolved.gguf_file else resolved.path)
 
 
 def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None, refresh: bool = False,
                 cached_only: bool = False, target_formats: Iterable[str] | None = None,
                 draft_formats: Iterable[str] | None = None, measurer: Measurer | None = None,
                 log: Callable[[str], None] | None = None) -> HardwareProfile:
-    """The hardware profile of a target and/or a draft (configs, models or references) on ``device``.
+    """The hardware profile of a target and/or a draft (configs, models, references or resolved references) on
+    ``device``.
 
     Each (role, format) comes from the cache when its key matches, else it is measured (``measurer``, default
     :func:`measure_format`) and cached. ``refresh``: measure everything again; ``cached_only``: never measure
@@ -705,16 +764,16 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
     for role, ref, formats in (("target", target, target_formats), ("draft", draft, draft_formats)):
         if ref is None:
             continue
-        config = config_of(ref, cache_dir=cache_dir)
+        config, weights = config_of(ref, cache_dir=cache_dir)
         fingerprints[role] = fingerprint = model_fingerprint(config)
         for fmt in (as_format(f) for f in (formats or candidate_formats(role, device))):
             key = ProfileKey(role, fmt, fingerprint, identity, torch.__version__)
             cost = None if refresh else read_entry(key, cache_dir)
             if cost is None and not cached_only:
-                log(f"measuring the {role} in {fmt} on this {identity.label} (once; cached in {key.path(cache_dir)})")
+                log(f"measuring the {role} in {fmt} on {identity.label} (once; cached in {key.path(cache_dir)})")
                 start = time.perf_counter()
                 try:
-                    cost = measurer(config, role, fmt, device)
+                    cost = measurer(config, role, fmt, device, weights)
                 except FormatUnavailable as err:
                     notes.append(f"{role} {fmt}: {err}")
                     continue
@@ -812,6 +871,11 @@ def estimate_call(profile: HardwareProfile, dtype: str, workload: Workload = Wor
     return DecodeEstimate(profile.prefill_seconds(dtype, workload.prompt_tokens), (workload.new_tokens - 1) / rate, k)
 
 
+def _secs(seconds: float) -> str:
+    """Seconds for a why: "12.3 s", "0.51 s", "8.2 ms"."""
+    return f"{seconds:.1f} s" if seconds >= 10 else f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
 def _fastest_draft_step(profile: HardwareProfile, draft_format: str | None) -> tuple[str | None, float | None]:
     if draft_format is not None:
         return as_format(draft_format), profile.draft_step(draft_format)
@@ -849,25 +913,26 @@ def choose_dtype(profile: HardwareProfile, workload: Workload = Workload(), *, d
     guesses = "speculation can pay" if can_pay else "speculation off"
     if draft_step is None:
         guesses += " (draft-free guesses; no draft profiled)" if can_pay else ""
-    parts = [f"{best}: expected {chosen.total_s:.1f} s for a {workload.prompt_tokens}-token prompt and "
-             f"{workload.new_tokens} new tokens (prefill {chosen.prefill_s:.2f} s + decode {chosen.decode_s:.1f} s"
-             + (f", {chosen.draft_tokens} {draft_name} draft tokens per round at acceptance {workload.acceptance:g}"
-                if chosen.draft_tokens else ", plain steps") + ")"]
-    others = [f"{f} {estimates[f].total_s:.1f} s (prefill {estimates[f].prefill_s:.2f} + decode "
-              f"{estimates[f].decode_s:.1f})" for f in formats if f != best]
+    per_round = (f", {chosen.draft_tokens} {draft_name} draft token{'s' if chosen.draft_tokens > 1 else ''} per round "
+                 f"at acceptance {workload.acceptance:g}" if chosen.draft_tokens else ", plain steps")
+    parts = [f"{best}: expected {_secs(chosen.total_s)} for a {workload.prompt_tokens}-token prompt and "
+             f"{workload.new_tokens} new tokens (prefill {_secs(chosen.prefill_s)} + decode {_secs(chosen.decode_s)}"
+             f"{per_round})"]
+    others = [f"{f} {_secs(estimates[f].total_s)} (prefill {_secs(estimates[f].prefill_s)} + decode "
+              f"{_secs(estimates[f].decode_s)})" for f in formats if f != best]
     if others:
         parts.append("vs " + ", ".join(others))
-    parts.append(f"verifying {VERIFY_PROBE} tokens costs {v:.2f} steps in {best} on this {label}: {guesses}")
+    parts.append(f"verifying {VERIFY_PROBE} tokens costs {v:.2f} steps in {best} on {label}: {guesses}")
     split = None
     if len(formats) > 1:
         pairs = [(a, b) for a in formats for b in formats if a != b]
         a, b = min(pairs, key=lambda p: estimates[p[0]].prefill_s + estimates[p[1]].decode_s)
         seconds = estimates[a].prefill_s + estimates[b].decode_s
         if seconds <= chosen.total_s * (1 - SPLIT_MIN_GAIN):
-            split = (f"prefill in {a} ({estimates[a].prefill_s:.2f} s) and decode in {b} ({estimates[b].decode_s:.1f} s)"
-                     f" would take {seconds:.1f} s, {1 - seconds / chosen.total_s:.0%} less than {best} alone "
-                     f"({chosen.total_s:.1f} s); not done: it needs the weights in both dtypes and the KV cache "
-                     f"converted")
+            split = (f"prefill in {a} ({_secs(estimates[a].prefill_s)}) and decode in {b} "
+                     f"({_secs(estimates[b].decode_s)}) would take {_secs(seconds)}, {1 - seconds / chosen.total_s:.0%}"
+                     f" less than {best} alone ({_secs(chosen.total_s)}); not done: it needs the weights in both dtypes "
+                     f"and the KV cache converted")
     return Choice("dtype", best, "; ".join(parts), tuple((f, estimates[f].total_s) for f in formats),
                   chosen.draft_tokens, split)
 

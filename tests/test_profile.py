@@ -1,0 +1,355 @@
+"""hf_specdec.models.profile: the hardware profile's key, cache and round trip, the proxies, and the choices
+(target dtype, draft format) on profiles built from given numbers: an AVX2-like CPU (bf16 multi-token forwards
+steep, 4-bit the slowest draft) and an AMX-like one (bf16 flat). Nothing here depends on this CPU's speed: every
+choice is made on numbers fed in, and real measurements are only checked for their shape."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hf_specdec.costmodel import ForwardCost
+from hf_specdec.models import hardware, loading
+from hf_specdec.models import profile as P
+from hf_specdec.models.cli import main as cli_main
+from hf_specdec.models.tiny import tiny_model, tiny_model_dir
+
+
+def ms(table):
+    return {n: v / 1e3 for n, v in table.items()}
+
+
+# an AMD EPYC with AVX2 only, as issue 14 measured it: bf16 steps faster but its forwards grow linearly in the
+# tokens read (no bf16 FMA) and its prefill is compute-bound; fp32 verifies 8 tokens for ~3 steps; the 4-bit
+# draft is the slowest draft format (c ~ 1.5)
+AVX2 = P.HardwareProfile.from_numbers(
+    {"bf16": {1: 0.20, 2: 0.38, 4: 0.75, 8: 1.5, 16: 3.0, 32: 6.0},
+     "fp32": {1: 0.26, 2: 0.30, 4: 0.45, 8: 0.78, 16: 1.4, 32: 2.7}},
+    prefill_per_token={"bf16": 0.19, "fp32": 0.084}, draft={"bf16": 0.07, "fp32": 0.08, "4bit": 0.35})
+# a Sapphire Rapids with AMX: bf16 t(n) flat up to 32 tokens (the issue's figures), fp32 steep; 4-bit the fastest draft
+AMX = P.HardwareProfile.from_numbers(
+    {"bf16": ms({1: 195, 2: 194, 4: 194, 8: 201, 16: 208, 32: 231}),
+     "fp32": ms({1: 238, 2: 258, 4: 477, 8: 661, 16: 647, 32: 807})},
+    prefill_per_token={"bf16": 0.002, "fp32": 0.006}, draft={"bf16": 0.088, "fp32": 0.087, "4bit": 0.0465},
+    footprints={"bf16": 990_000_000, "fp32": 1_980_000_000, "4bit": 460_000_000})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# keys, values, round trips
+
+
+def test_fingerprint_follows_the_architecture_not_the_bookkeeping():
+    base = tiny_model("qwen2").config
+    renamed = type(base).from_dict({**base.to_dict(), "_name_or_path": "elsewhere", "eos_token_id": 7,
+                                    "rms_norm_eps": 1e-5, "dtype": "bfloat16"})
+    assert P.model_fingerprint(renamed) == P.model_fingerprint(base)
+    for change in ({"hidden_size": 128}, {"num_hidden_layers": 3, "layer_types": None}, {"vocab_size": 97}, {"num_key_value_heads": 4}):
+        other = type(base).from_dict({**base.to_dict(), **change})
+        assert P.model_fingerprint(other) != P.model_fingerprint(base), change
+
+
+def test_key_changes_with_format_model_device_and_torch(tmp_path):
+    device = P.DeviceIdentity("cpu", "Some CPU", ("avx2", "amx_bf16"), 2)
+    key = P.ProfileKey("target", "bfloat16", "abc", device, "2.13.0")
+    assert key.format == "bf16" and key.path(tmp_path).parent == tmp_path / "profiles"
+    variants = [dataclasses.replace(key, format="fp32"), dataclasses.replace(key, model="abd"),
+                dataclasses.replace(key, torch_version="2.14.0"), dataclasses.replace(key, role="draft"),
+                dataclasses.replace(key, device=dataclasses.replace(device, flags=("avx2",))),
+                dataclasses.replace(key, device=dataclasses.replace(device, threads=1)),
+                dataclasses.replace(key, device=P.DeviceIdentity("cuda", "NVIDIA H200", ("sm_90",), 2))]
+    assert len({key.digest, *(v.digest for v in variants)}) == len(variants) + 1
+    with pytest.raises(ValueError, match="role"):
+        P.ProfileKey("verifier", "bf16", "abc", device, "2.13.0")
+    with pytest.raises(ValueError, match="unknown format"):
+        P.ProfileKey("target", "int3", "abc", device, "2.13.0")
+
+
+def test_values_are_frozen_and_validated():
+    cost = P.FormatCost("bf16", {2: 0.3, 1: 0.2}, 256, 1.0, 10, "proxy")
+    assert cost.step == ((1, 0.2), (2, 0.3)) and cost.t1 == 0.2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cost.format = "fp32"
+    for bad in (dict(step={2: 0.3}), dict(step={1: -0.1}), dict(step={1: float("nan")}),
+                dict(step={1: 0.1}, prefill_tokens=256), dict(step={1: 0.1}, method="guessed")):
+        with pytest.raises(ValueError):
+            P.FormatCost("bf16", **bad)
+    with pytest.raises(ValueError, match="twice"):
+        P.HardwareProfile(P.DeviceIdentity("given", "given"), "x", (cost, cost))
+    with pytest.raises(ValueError, match="dtypes only"):
+        P.HardwareProfile(P.DeviceIdentity("given", "given"), "x", (P.FormatCost("4bit", {1: 0.1}),))
+    for bad in (dict(prompt_tokens=-1), dict(new_tokens=0), dict(acceptance=1.5), dict(max_draft_tokens=-1)):
+        with pytest.raises(ValueError):
+            P.Workload(**bad)
+
+
+def test_profile_round_trips_and_feeds_the_cost_model():
+    data = json.loads(json.dumps(AMX.to_dict()))
+    assert P.HardwareProfile.from_dict(data) == AMX
+    cost = AMX.target_cost("bfloat16")
+    assert isinstance(cost, ForwardCost) and cost.table() == AMX.target_entry("bf16").table
+    assert cost.estimate(1) == pytest.approx(0.195) and cost.estimate(3) == pytest.approx(0.194)
+    assert AMX.draft_step("4bit") == 0.0465 and AMX.draft_step(torch.float32) == 0.087
+    assert AMX.verify_cost("bf16", 8) == pytest.approx(201 / 195)
+    assert AMX.prefill_seconds("bf16", 256) == pytest.approx(0.512)
+    assert AMX.prefill_seconds("bf16", 4) == pytest.approx(0.194)  # a short prompt still reads every weight once
+    with pytest.raises(KeyError, match="no target measurement in fp16"):
+        AMX.target_cost("fp16")
+    with pytest.raises(ValueError, match="schema"):
+        P.HardwareProfile.from_dict({**data, "schema": "something/0"})
+    assert "bf16" in AMX.describe() and "draft t(1)" in AMX.describe()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the cache
+
+
+def _fake_measurer(calls):
+    def measure(config, role, fmt, device, weights=None):
+        calls.append((role, fmt))
+        if fmt == "8bit":
+            raise P.FormatUnavailable("bitsandbytes 8-bit kernels need wider layers")
+        base = {"bf16": 0.2, "fp32": 0.3}.get(fmt, 0.1)
+        sizes = P.TARGET_SIZES if role == "target" else (1,)
+        return P.FormatCost(fmt, {n: base * (1 + 0.01 * n) for n in sizes},
+                            P.PREFILL_TOKENS if role == "target" else 0,
+                            base * 20 if role == "target" else None, 1000, "proxy")
+    return measure
+
+
+def test_get_profile_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    config = tiny_model("qwen2").config
+    calls = []
+    measure = _fake_measurer(calls)
+    first = P.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
+    assert calls == [("target", f) for f in P.candidate_formats("target")] + \
+        [("draft", f) for f in P.candidate_formats("draft")]
+    assert first.target_formats == ("bf16", "fp32") and "8bit" not in first.draft_formats
+    assert any("8bit" in note and "wider layers" in note for note in first.notes)  # left out, with the reason
+    assert first.target_model == first.draft_model == P.model_fingerprint(config)
+    calls.clear()
+    again = P.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
+    assert calls == [("draft", "8bit")]  # only what could not be measured is tried again
+    assert again.target == first.target and again.draft == first.draft
+    calls.clear()
+    P.get_profile(config, cache_dir=tmp_path, measurer=measure, refresh=True)
+    assert calls == [("target", "bf16"), ("target", "fp32")]
+    calls.clear()
+    monkeypatch.setattr(P.torch, "__version__", "99.0.0")  # another torch: another key, measured again
+    P.get_profile(config, cache_dir=tmp_path, measurer=measure)
+    assert calls == [("target", "bf16"), ("target", "fp32")]
+    calls.clear()
+    other = type(config).from_dict({**config.to_dict(), "hidden_size": 128})
+    assert P.get_profile(other, cache_dir=tmp_path, measurer=measure, cached_only=True).target == ()
+    assert calls == []
+
+
+def test_cache_entries_survive_only_their_own_key(tmp_path):
+    key = P.ProfileKey("draft", "4bit", "abc", P.DeviceIdentity("cpu", "A CPU", ("avx2",), 2), "2.13.0")
+    cost = P.FormatCost("4bit", {1: 0.05}, footprint_bytes=123, method="proxy")
+    path = P.write_entry(key, cost, tmp_path, seconds=1.5)
+    assert P.read_entry(key, tmp_path) == cost and json.loads(path.read_text())["measure_seconds"] == 1.5
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "key": {**data["key"], "torch": "2.12.0"}}))  # a stale file in place
+    assert P.read_entry(key, tmp_path) is None
+    path.write_text("{not json")
+    assert P.read_entry(key, tmp_path) is None
+    assert P.read_entry(dataclasses.replace(key, format="8bit"), tmp_path) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# choices
+
+
+def test_avx2_like_profile_chooses_by_prompt_length():
+    """Plain decoding (no useful draft): bf16 steps faster, fp32 prefills faster; which wins is the prompt's."""
+    plain = dataclasses.replace(AVX2, draft=())
+    short = P.choose_dtype(plain, P.Workload(prompt_tokens=8, new_tokens=128))
+    long = P.choose_dtype(plain, P.Workload(prompt_tokens=512, new_tokens=128))
+    assert short.value == "bf16" and long.value == "fp32"
+    for choice in (short, long):
+        seconds = dict(choice.seconds)
+        assert choice.value == min(seconds, key=seconds.get)  # the lowest expected end-to-end time
+        assert choice.draft_tokens == 0
+    assert "verifying 8 tokens costs 7.50 steps in bf16" in short.why and "speculation off" in short.why
+    # prefill in fp32, decode in bf16 would beat either alone on a 256-token prompt: reported with its figure
+    split = P.choose_dtype(plain, P.Workload(prompt_tokens=256, new_tokens=128)).split
+    assert split.startswith("prefill in fp32") and "decode in bf16" in split and "% less than" in split
+    assert P.choose_dtype(plain, P.Workload(prompt_tokens=8, new_tokens=128)).split is None
+
+
+def test_avx2_like_profile_speculates_in_fp32_with_a_full_precision_draft():
+    draft = P.choose_draft_format(AVX2, target_dtype="fp32")
+    assert draft.value == "bf16"  # 4-bit is the slowest here; bf16 and fp32 tie within 5%: bf16, half the memory
+    assert "c = 0.27" in draft.why
+    choice = P.choose_dtype(AVX2, P.Workload(prompt_tokens=64, new_tokens=128, acceptance=0.7))
+    assert choice.value == "fp32" and choice.draft_tokens >= 1  # fp32 verifies cheaply enough to speculate
+    assert "speculation can pay" in choice.why
+    assert P.choose_dtype(AVX2, P.Workload(prompt_tokens=4, new_tokens=128, acceptance=0.7)).value == "bf16"
+
+
+def test_amx_like_profile_chooses_bf16_and_the_fastest_draft():
+    choice = P.choose_dtype(AMX)
+    assert choice.value == "bf16" and choice.draft_tokens >= 1 and choice.split is None
+    assert "verifying 8 tokens costs 1.03 steps in bf16" in choice.why and "speculation can pay" in choice.why
+    draft = P.choose_draft_format(AMX, target_dtype="bf16", memory_bytes=64 * 10**9)
+    assert draft.value == "4bit" and "the fastest here" in draft.why and "c = 0.24" in draft.why
+
+
+def test_draft_format_follows_the_memory_left():
+    slow_4bit = dataclasses.replace(AMX, draft=(P.FormatCost("bf16", {1: 0.05}, footprint_bytes=990_000_000),
+                                                P.FormatCost("4bit", {1: 0.06}, footprint_bytes=460_000_000)))
+    assert P.choose_draft_format(slow_4bit, memory_bytes=8 * 10**9).value == "bf16"  # 4-bit only if it must
+    tight = P.choose_draft_format(slow_4bit, memory_bytes=700_000_000)
+    assert tight.value == "4bit" and "bf16 would not fit" in tight.why
+    nothing = P.choose_draft_format(slow_4bit, memory_bytes=100_000_000)
+    assert nothing.value == "4bit" and "no measured format fits" in nothing.why
+    assert P.choose_draft_format(slow_4bit, candidates=["bf16"]).value == "bf16"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# load_model on an injected profile (no measurement)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"), hidden=64)  # bitsandbytes' CPU kernels need >= 64
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although a profile was given")
+
+    monkeypatch.setattr(P, "measure_format", refuse)
+
+
+@pytest.mark.parametrize("profile,expected", [(AMX, torch.bfloat16), (dataclasses.replace(AVX2, draft=()),
+                                                                     torch.float32)])
+def test_load_model_auto_dtype_uses_the_given_profile(tiny_dir, no_measuring, profile, expected):
+    workload = P.Workload(prompt_tokens=512)
+    model, _, info = loading.load_model(str(tiny_dir), dtype="auto", profile=profile, workload=workload)
+    assert model.dtype == expected and info.dtype == str(expected).removeprefix("torch.")
+    assert info.choice == P.choose_dtype(profile, workload) and info.why == info.choice.why
+    assert info.quantize is None
+
+
+def test_load_model_auto_quantize_loads_the_chosen_draft_format(tiny_dir, no_measuring):
+    fast_int8 = P.HardwareProfile.from_numbers(draft={"fp32": 0.2, "bf16": 0.2, "dynamic-int8": 0.05, "4bit": 0.3})
+    model, _, info = loading.load_model(str(tiny_dir), quantize="auto", profile=fast_int8)
+    assert info.quantize == "dynamic-int8" and info.dtype == "float32" and P.model_format(model) == "dynamic-int8"
+    assert info.choice.kind == "draft_format" and info.choice.value == "dynamic-int8"
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 5, 6]])).logits.shape[-1] == model.config.vocab_size
+    json.dumps(dataclasses.asdict(info))  # the eval harness stores it as JSON
+    fp32 = P.HardwareProfile.from_numbers(draft={"fp32": 0.05, "4bit": 0.3})
+    model, _, info = loading.load_model(str(tiny_dir), quantize="auto", profile=fp32)
+    assert P.model_format(model) == "fp32" and info.quantize is None
+
+
+def test_a_draft_that_runs_out_of_memory_is_loaded_in_4bit(tiny_dir, no_measuring, monkeypatch, caplog):
+    pytest.importorskip("bitsandbytes")
+    real = loading._from_pretrained
+
+    def only_quantized_fits(path, **kwargs):
+        if "quantization_config" not in kwargs:
+            raise MemoryError()
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(loading, "_from_pretrained", only_quantized_fits)
+    profile = P.HardwareProfile.from_numbers(draft={"bf16": 0.05, "4bit": 0.3})
+    model, _, info = loading.load_model(str(tiny_dir), quantize="auto", profile=profile)
+    assert info.quantize == "4bit" and P.model_format(model) == "4bit"
+    assert "ran out of memory at load in bf16" in info.why and "loading it in 4-bit" in caplog.text
+    with pytest.raises(hardware.ModelLoadOOMError):  # a target (no auto draft) still fails with the remedy
+        loading.load_model(str(tiny_dir), dtype="bf16")
+
+
+def test_a_profile_of_another_model_is_refused(tiny_dir, no_measuring):
+    other = tiny_model("qwen2").config
+    profile = dataclasses.replace(AMX, target_model=P.model_fingerprint(other))
+    with pytest.raises(ValueError, match="another model"):
+        loading.load_model(str(tiny_dir), dtype="auto", profile=profile)
+
+
+def test_load_pair_prices_the_draft_into_the_target_choice(tiny_dir, no_measuring):
+    (target, _, t_info), (draft, _, d_info) = loading.load_pair(str(tiny_dir), str(tiny_dir), profile=AVX2,
+                                                                  workload=P.Workload(prompt_tokens=64))
+    assert t_info.choice.value == "fp32" and t_info.choice.draft_tokens >= 1 and target.dtype == torch.float32
+    assert d_info.choice.value == "bf16" and draft.dtype == torch.bfloat16
+    (_, _, t_info), (draft, _, d_info) = loading.load_pair(str(tiny_dir), str(tiny_dir), dtype="bf16",
+                                                           draft_quantize=None)
+    assert t_info.choice is None and d_info.choice is None and draft.dtype == torch.bfloat16
+
+
+def test_explicit_dtypes_need_no_profile(tiny_dir, no_measuring):
+    assert loading.load_model(str(tiny_dir), dtype="fp32").info.choice is None
+    with pytest.raises(ValueError, match="measured hardware profile"):
+        hardware.resolve_dtype("auto")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# proxies (shape and scaling, not speed)
+
+
+def test_proxies_scale_to_the_real_layer_count():
+    model = tiny_model("qwen2", num_hidden_layers=5, tie_word_embeddings=True)
+    view = P.one_layer_view(model)
+    assert len(view.model.layers) == 1 and view.config.num_hidden_layers == 1 and model.config.num_hidden_layers == 5
+    assert view.model.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.up_proj.weight  # shared, no copy
+    cost = P.measure_format(model.config, "target", "fp32", sizes=(1, 2, 4), repeats=1, prefill_tokens=16)
+    assert [n for n, _ in cost.step] == [1, 2, 4] and cost.method == "proxy" and cost.prefill_tokens == 16
+    assert all(s > 0 for _, s in cost.step) and cost.prefill_s > 0
+    # footprints scale exactly: embeddings + 5 layers, as the real model holds them
+    assert cost.footprint_bytes == hardware.footprint_bytes(model)
+    draft = P.measure_format(model.config, "draft", "dynamic-int8", repeats=1)
+    assert [n for n, _ in draft.step] == [1] and draft.prefill_s is None
+    quantized = hardware.quantize_dynamic_int8(tiny_model("qwen2", num_hidden_layers=5, tie_word_embeddings=True))
+    assert draft.footprint_bytes == hardware.footprint_bytes(quantized)
+    real = P.measure_model(model, sizes=(1, 2), repeats=1, prefill_tokens=8)
+    assert real.method == "real" and real.format == "fp32"
+
+
+def test_8bit_is_measured_on_the_real_weights(tiny_dir):
+    """LLM.int8's cost depends on the activations' outliers, which random proxies lack: real weights or nothing."""
+    pytest.importorskip("bitsandbytes")
+    config, weights = P.config_of(str(tiny_dir))
+    assert weights == str(tiny_dir)
+    with pytest.raises(P.FormatUnavailable, match="real activations"):
+        P.measure_format(config, "draft", "8bit")
+    cost = P.measure_format(config, "draft", "8bit", weights=weights, repeats=1)
+    assert cost.method == "real" and cost.format == "8bit" and [n for n, _ in cost.step] == [1]
+
+
+def test_model_format_names_what_was_loaded():
+    model = tiny_model("llama")
+    assert P.model_format(model) == "fp32" and P.model_format(model.to(torch.bfloat16)) == "bf16"
+    assert P.model_format(hardware.quantize_dynamic_int8(tiny_model("llama"))) == "dynamic-int8"
+    assert P.format_load_args("4bit") == (torch.bfloat16, "4bit")
+    assert P.format_load_args("dynamic-int8") == (torch.float32, "dynamic-int8")
+    assert P.format_load_args("bfloat16") == (torch.bfloat16, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hf-specdec tune
+
+
+def test_tune_measures_caches_and_prints(tiny_dir, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(P, "measure_format", _fake_measurer(calls))
+    argv = ["tune", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--cache-dir", str(tmp_path)]
+    assert cli_main([*argv, "--json", "--prompt-tokens", "32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == "hf_specdec.tune/1" and out["choices"]["workload"]["prompt_tokens"] == 32
+    profile = P.HardwareProfile.from_dict(out["profile"])
+    assert profile.target_formats == ("bf16", "fp32") and out["choices"]["target_dtype"]["value"] == "bf16"
+    assert out["choices"]["draft_format"]["value"] in profile.draft_formats
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == len(calls) - 1  # all but the unavailable 8bit
+    measured = len(calls)
+    assert cli_main([*argv, "--cached"]) == 0  # the cache answers; text output
+    text = capsys.readouterr().out
+    assert len(calls) == measured + 1 and "hardware profile" in text and "target dtype: bf16" in text
+    assert cli_main([*argv, "--draft", "none"]) == 0  # tune re-measures the target alone
+    assert calls[measured + 1:] == [("target", "bf16"), ("target", "fp32")]
+    capsys.readouterr()
+    assert cli_main(["tune", "--target", str(tmp_path / "nothing"), "--cache-dir", str(tmp_path)]) == 2
