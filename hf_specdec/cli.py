@@ -1,4 +1,4 @@
-"""``hf-specdec``: models, check, generate, demo."""
+"""``hf-specdec``: models, check, tune, generate, demo."""
 
 from __future__ import annotations
 
@@ -10,14 +10,23 @@ GENERATE_MODES = ("speculative", "lookahead", "plain")  # speculative = specdec_
 
 def _generate(args: argparse.Namespace) -> int:
     from hf_specdec.harness import MODES, Harness, IncrementalText, RoundStreamer, Settings
-    from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+    from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, Workload, load_model, load_pair
 
     mode = MODES[f"specdec_{args.policy}" if args.mode == "speculative" else args.mode]
-    model, tokenizer, _ = load_model(args.target or DEFAULT_TARGET, dtype=args.dtype)
+    workload = Workload(new_tokens=args.max_new_tokens)
     draft = None
     if mode.needs_draft:
         quantize = None if args.draft_quant == "none" else args.draft_quant
-        draft = load_model(args.draft or DEFAULT_DRAFT, dtype=args.dtype, quantize=quantize).model
+        (model, tokenizer, target_info), (draft, _, draft_info) = load_pair(
+            args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT, dtype=args.dtype, draft_quantize=quantize,
+            workload=workload)
+        infos = (("target", target_info), ("draft", draft_info))
+    else:
+        model, tokenizer, target_info = load_model(args.target or DEFAULT_TARGET, dtype=args.dtype, workload=workload)
+        infos = (("target", target_info),)
+    for role, info in infos:
+        if info.choice is not None:
+            print(f"[hf_specdec] {role} {info.choice.kind.replace('_', ' ')} {info.choice.why}", file=sys.stderr)
     text = IncrementalText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def show(ids: list[int], accepted: int, t: float) -> None:
@@ -62,12 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--target", default=None, help="model reference (bundle name, hub id, dir, .gguf)")
     gen.add_argument("--draft", default=None, help="draft reference (modes that use a draft)")
-    gen.add_argument("--draft-quant", default="4bit", choices=["4bit", "8bit", "none"])
+    gen.add_argument("--draft-quant", default="auto", choices=["auto", "4bit", "8bit", "dynamic-int8", "none"],
+                     help="draft format: auto (the hardware profile's fastest that fits), 4bit, 8bit, dynamic-int8 "
+                          "or none (the target's dtype)")
     gen.add_argument("--mode", default="speculative", choices=[*GENERATE_MODES, *(m for m in MODES if m not in
                                                                                  GENERATE_MODES)],
                      help="speculative (hf_specdec with --policy), lookahead, plain, or any eval harness mode")
     gen.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "heuristic"])
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--dtype", default="auto", help="target dtype: auto (measured choice), bf16, fp16, fp32")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
