@@ -46,8 +46,7 @@ SCHEMA = "hf_specdec.check/3"
 # vLLM V1 dropped draft-model speculation and re-added it as "method": "draft_model" (PR #24322); 0.13.0 still
 # raises "Speculative decoding with draft model is not supported yet" (vllm-project/vllm#31883)
 VLLM_MIN_VERSION = "0.14"
-VLLM_NOTE = (f"valid for vLLM >= {VLLM_MIN_VERSION} (draft_model method re-added by PR #24322); 0.10-0.13 reject it "
-             "(V1 had no draft-model speculation); 0.9 and older took the draft as speculative_model")
+VLLM_NOTE = f"valid for vLLM >= {VLLM_MIN_VERSION} (draft_model method re-added by PR #24322); 0.10-0.13 reject it"
 RATIO_GUIDANCE = 1 / 50
 SPECULATIVE_MIN_SPEEDUP = 1.1
 
@@ -381,7 +380,7 @@ def format_choices(choices: dict, loaded: dict | None = None) -> list[str]:
             continue
         used = (loaded or {}).get(role)
         note = "" if used in (None, choice["value"]) else f" (loaded as {used}, as asked)"
-        lines.append(f"{what}: {choice['value']}{note}: {choice['why']}")
+        lines.append(f"{what}{note}: {choice['why']}")  # the why starts with the value chosen
         if choice.get("split"):
             lines.append(f"  split: {choice['split']}")
     w = choices.get("workload")
