@@ -144,6 +144,16 @@ def test_get_profile_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_cached_costs_for_loaded_models_never_measure(tmp_path):
+    target, draft = tiny_model("qwen2"), tiny_model("llama").to(torch.bfloat16)
+    calls = []
+    assert P.cached_costs(target, draft, cache_dir=tmp_path) == (None, None)  # nothing cached, nothing measured
+    P.get_profile(target, draft, cache_dir=tmp_path, measurer=_fake_measurer(calls))
+    forward, step = P.cached_costs(target, draft, cache_dir=tmp_path)
+    assert forward == pytest.approx({n: 0.3 * (1 + 0.01 * n) for n in P.TARGET_SIZES})  # the fp32 target's curve
+    assert step == pytest.approx(0.2 * 1.01)  # the bf16 draft's step
+
+
 def test_cache_entries_survive_only_their_own_key(tmp_path):
     key = P.ProfileKey("draft", "4bit", "abc", P.DeviceIdentity("cpu", "A CPU", ("avx2",), 2), "2.13.0")
     cost = P.FormatCost("4bit", {1: 0.05}, footprint_bytes=123, method="proxy")

@@ -31,8 +31,8 @@ Both return a ``Choice`` with a human-readable ``why``. Profiles can be built fr
 (``HardwareProfile.from_numbers``), so the choosers are tested without measuring.
 
 For the decoding core: ``profile.target_cost(dtype) -> ForwardCost`` and ``profile.draft_step(format) ->
-float`` seed its estimates; ``model_format(model)`` names the format of a loaded model; ``get_profile(...,
-cached_only=True)`` reads the cache without measuring.
+float`` seed its estimates; ``cached_costs(target, draft)`` gives both for loaded models from the cache without
+measuring; ``model_format(model)`` names the format of a loaded model.
 """
 
 from __future__ import annotations
@@ -782,6 +782,25 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
                 entries[role].append(cost)
     return HardwareProfile(identity, torch.__version__, tuple(entries["target"]), tuple(entries["draft"]),
                            fingerprints["target"], fingerprints["draft"], tuple(notes))
+
+
+def cached_costs(target, draft=None, *, cache_dir=None) -> tuple[dict[int, float] | None, float | None]:
+    """For the decoding core: the cached t(n) table of a loaded ``target`` in its format and the cached step of a
+    loaded ``draft`` in its format, on the target's device, or None for what is not cached. Never measures, so
+    it costs a few file reads at the start of a call:
+
+        forward_seconds, draft_step_seconds = cached_costs(model, draft)
+        model.speculative_memory.seed(draft, forward_seconds, draft_step_seconds)
+    """
+    device = str(next(target.parameters()).device)
+    target_format = model_format(target)
+    draft_formats = [model_format(draft)] if draft is not None else None
+    profile = get_profile(target, draft, device=device, cache_dir=cache_dir, cached_only=True,
+                          target_formats=[target_format] if target_format in FORMAT_DTYPES else [],
+                          draft_formats=draft_formats)
+    forward = profile.target[0].table if profile.target else None
+    step = profile.draft[0].t1 if profile.draft else None
+    return forward, step
 
 
 def read_profile_file(path: str | os.PathLike) -> HardwareProfile:
