@@ -350,6 +350,9 @@ def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None 
         target_ref, draft_ref, dtype=dtype, draft_quantize=draft_quantize, device=device, cache_dir=cache_dir,
         progress=progress, profile=profile, workload=workload)
     report["hardware"]["dtype"] = target_load.dtype
+    for key, load in (("target_dtype", target_load), ("draft_format", draft_load)):
+        if load.choice is not None:  # what loading chose (the draft's, with the memory left after the target)
+            report["choices"][key] = load.choice.to_dict()
     for info, model, load in ((report["target"], target, target_load), (report["draft"], draft, draft_load)):
         info.update(parameters=model.num_parameters(), footprint_bytes=footprint_bytes(model), dtype=load.dtype,
                     quantize=load.quantize, format=model_format(model), load_time_s=load.load_time_s,
