@@ -35,15 +35,11 @@ from .layout import BatchInputs, to_model_mask
 
 def new_cache(model) -> DynamicCache:
     """A DynamicCache for ``model``; its sliding-window layers record their past so that they can roll back."""
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))  # as generate() makes it
     for layer in cache.layers:
         if hasattr(layer, "activate_past_recording"):
             layer.activate_past_recording()
     return cache
-
-
-def has_sliding_layers(model) -> bool:
-    return any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=model.config).layers)
 
 
 def check_cache_supported(cache: Cache | None) -> None:
@@ -241,7 +237,7 @@ class RowCache:
                                        positions], dim=1)  # [B, visible + n]
             in_window = key_positions[:, None, :] > positions[:, :, None] - layer.sliding_window
             masks["sliding_attention"] = as_model(full[:, :, past - visible:] & in_window)
-        layer_types = getattr(self.model.config, "layer_types", None)
+        layer_types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None)
         if not layer_types:  # every layer slides (Mistral, Phi-3): one mask
             return masks["sliding_attention"]
         masks["full_attention"] = as_model(full)

@@ -26,12 +26,13 @@ from . import cache as kv
 from .config import LookaheadConfig, SpecConfig
 from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
-from .drafters.lookahead import LookaheadDrafter, check_lookahead_supported
+from .drafters.lookahead import LookaheadDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, SpeculativeMemory
 from .policy import TreePolicy, make_policy
 from .stats import SpecStats
+from .support import check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ def speculative_generate(
     if speculative_memory is not None and not isinstance(speculative_memory, SpeculativeMemory):
         raise ValueError(f"speculative_memory must be a hf_specdec.SpeculativeMemory or None, got "
                          f"{type(speculative_memory).__name__}.")
+    rows = input_ids.shape[0]
+    check_supported(model, "speculative", rows)
+    if not hasattr(draft_model, "propose"):
+        check_supported(draft_model, "speculative", rows, role="draft")
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
     estimates = speculative_memory.estimates(draft_model) if speculative_memory is not None else None
@@ -108,7 +113,7 @@ def lookahead_generate(
     if lookahead_memory is not None and not isinstance(lookahead_memory, LookaheadMemory):
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
                          f"{type(lookahead_memory).__name__}.")
-    check_lookahead_supported(model)
+    check_supported(model, "lookahead", input_ids.shape[0])
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
     memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
@@ -159,14 +164,10 @@ def _check_same_family(model, draft_model) -> None:
             "`hf-specdec check --target T --draft D` to compare them, or pass tokenizer= and "
             "assistant_tokenizer= through enable(model) to use transformers' universal assisted generation."
         )
-    if draft_model.config.is_encoder_decoder:
-        raise ValueError("The draft model must be a decoder-only causal LM.")
 
 
 def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, streamer):
     """Refuse what the loop cannot do, and collect the loop's inputs."""
-    if model.config.is_encoder_decoder:
-        raise ValueError("hf_specdec supports decoder-only models; this model is encoder-decoder.")
     if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
         raise ValueError(
             "hf_specdec does not do beam search or several return sequences "
@@ -185,12 +186,6 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             f"With a batch of {rows} prompts, rows emit different numbers of tokens per round, so hf_specdec cannot "
             "stream them or return per-step scores (streamer= / output_scores=True). Drop those, or generate one "
             "prompt at a time."
-        )
-    if rows > 1 and kv.has_sliding_layers(model):
-        raise ValueError(
-            f"This model has sliding-window attention layers; hf_specdec decodes it one prompt at a time (its "
-            f"window is kept per cache column, and rows of a batch advance by different numbers of tokens). Got a "
-            f"batch of {rows}: generate one prompt at a time, or use plain generate() for the batch."
         )
     mask = model_kwargs.get("attention_mask")
     if mask is not None:

@@ -73,6 +73,9 @@ def test_batched_lookahead_equals_plain_batched_generate(model, rows):
     memory = hf_specdec.LookaheadMemory()
     for _ in range(2):  # the second call starts from the first one's text: tries from the first round on
         assert torch.equal(lookahead(model, ids, mask, lookahead_memory=memory), expected)
+    # an explicit shape verifies candidates every round, whatever this CPU's costs (auto sizing decides by them)
+    explicit = hf_specdec.LookaheadConfig(window=3, ngram=3, max_candidates=2)
+    assert torch.equal(lookahead(model, ids, mask, lookahead_memory=memory, lookahead_config=explicit), expected)
     assert model.last_spec_stats.accepted > 0
 
 

@@ -1,6 +1,5 @@
 """Lookahead decoding end to end: greedy parity, KV compaction, stops, streaming, refusal of flash attention."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,10 +137,14 @@ def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
 
 
 def test_flash_attention_is_refused_up_front():
-    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"),
-                            parameters=lambda: iter([torch.zeros(1)]))
-    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-        LookaheadDrafter(model, LookaheadConfig())
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # what a model loaded with flash attention reports
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' cannot take a custom 4-D "
+                                         r"attention mask \(load the model with attn_implementation='sdpa'"):
+        lookahead(model, RANDOM, LookaheadConfig())
+    assert calls == []  # refused before the first forward
 
 
 def test_round_size_follows_expected_rate_and_measured_cost():

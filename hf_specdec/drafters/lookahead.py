@@ -31,18 +31,7 @@ from ..memory import LookaheadMemory
 from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView
 from .ngram_pool import HistoryIndex, NgramPool
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 POOL = ("pool", 0)
-
-
-def check_lookahead_supported(model) -> None:
-    """Refuse, before any forward, a model lookahead cannot run exactly."""
-    attention = getattr(model.config, "_attn_implementation", None) or "eager"
-    if attention not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"decoding='lookahead' needs a custom 4-D attention mask, which attn_implementation={attention!r} "
-            f"cannot take. Load the model with attn_implementation='sdpa' (or 'eager')."
-        )
 
 
 class LookaheadDrafter:
@@ -54,7 +43,6 @@ class LookaheadDrafter:
 
     def __init__(self, model, config: LookaheadConfig, memory: LookaheadMemory | None = None,
                  remember: bool | None = None) -> None:
-        check_lookahead_supported(model)
         self.config = config
         self.max_positions = getattr(model.config, "n_positions", None) or getattr(
             model.config, "max_position_embeddings", None)

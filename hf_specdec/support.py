@@ -1,0 +1,101 @@
+"""What hf_specdec can run exactly, decided before the first forward: exact, or refused with the reason.
+
+Every rule below is checked by the architecture sweep (tests/test_architectures.py: a tiny random model of every
+causal LM transformers ships, each mode against plain ``generate``), and docs/architectures.md is its table.
+
+Speculative decoding (a chain of guesses) needs a cache it can roll back: a ``DynamicCache`` whose layers hold one
+key/value column per token (full or sliding-window attention). Lookahead (a trie of guesses and a Jacobi window
+in one forward) needs, besides, explicit position ids and a 4-D attention mask the model takes as given.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import DynamicCache, GenerationMixin
+
+ROLLBACK_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
+TREE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Architectures whose multi-token forwards over a cache do not match their own one-token decoding (found by the
+# sweep; the reason is what the sweep showed). Plain generate() runs them as before.
+INEXACT = {
+    "cpmant": "its position bias is built for the new tokens only, so a forward over several new tokens on a "
+              "cache fails",
+    "xlm": "its cached attention mask is built from the new tokens' length, so several new tokens on a cache fail",
+    "prophetnet": "it requires position ids 1..n over the whole key length, which a forward over new tokens on a "
+                  "cache cannot give",
+    "moshi": "its forward over several new tokens differs from its one-token steps (plain generate already "
+             "disagrees with a full forward), so tokens verified together are not the ones it would decode",
+}
+
+
+class Unsupported(ValueError):
+    """hf_specdec cannot run this model in this mode exactly; the message says why and what to use instead."""
+
+
+def _forward_params(model) -> frozenset[str]:
+    return frozenset(inspect.signature(type(model).forward).parameters)
+
+
+def cache_layer_kinds(model) -> tuple[str, ...] | None:
+    """The layer classes of the ``DynamicCache`` ``generate`` would make for this model (empty: made lazily);
+    None when one cannot be made from its config (the model builds its cache its own way)."""
+    try:
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return tuple(type(layer).__name__ for layer in cache.layers)
+
+
+def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> None:
+    """Raise ``Unsupported`` unless hf_specdec runs ``model`` exactly in ``mode`` ("speculative" or
+    "lookahead"), for a batch of ``rows``; ``role``: "target" or "draft" (the wording of the message)."""
+    name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+    alternative = "plain generate()" if mode == "speculative" else "decoding='speculative' with a draft model, or plain generate()"
+
+    def refuse(reason: str) -> None:
+        what = "as a draft model" if role == "draft" else f"with decoding='{mode}'"
+        raise Unsupported(f"hf_specdec cannot run {name} {what}: {reason}. Use {alternative} for this model.")
+
+    if model.config.is_encoder_decoder:
+        refuse("it is an encoder-decoder model (hf_specdec decodes decoder-only models)")
+    if type(model).generate is not GenerationMixin.generate:
+        refuse("its class has its own generate() (multi-stream or multimodal decoding), which hf_specdec would bypass")
+    if hasattr(type(model), "_supports_default_dynamic_cache") and not type(model)._supports_default_dynamic_cache():
+        refuse("it keeps a cache or recurrent state of its own, which cannot roll back rejected guesses")
+    params = _forward_params(model)
+    if "past_key_values" not in params and "cache" not in params:
+        refuse("it keeps no key/value cache, so guesses cannot be verified on top of the tokens already read")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in INEXACT:
+        refuse(INEXACT[model_type])
+    layer_kinds = cache_layer_kinds(model)
+    if layer_kinds is None:
+        refuse("its cache is not one generate() builds from its config (a model-specific layout), so hf_specdec "
+               "cannot make one it can roll back")
+    kinds = set(layer_kinds)
+    if kinds - ROLLBACK_LAYERS:
+        recurrent = any("Linear" in kind or "Mamba" in kind for kind in kinds)
+        reason = ("its recurrent (state-space / linear-attention) state cannot be rolled back to the accepted guess"
+                  if recurrent else f"its cache layers ({', '.join(sorted(kinds - ROLLBACK_LAYERS))}) cannot be "
+                  "rolled back exactly")
+        refuse(reason)
+    if rows > 1 and "DynamicSlidingWindowLayer" in kinds:
+        refuse(f"it has sliding-window attention layers, whose window is kept per cache column, and the {rows} rows "
+               "of a batch advance by different numbers of tokens (one prompt at a time works)")
+    if mode != "lookahead":
+        return
+    if "position_ids" not in params:
+        refuse("it derives positions from the cache length, so the branches of a trie cannot sit at their own "
+               "positions")
+    if not getattr(type(model), "_supports_attention_backend", False):
+        refuse("it builds its own attention mask or bias (ALiBi, local attention, learned offsets), so a 4-D tree "
+               "mask cannot be given to it")
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = sorted(set(layer_types) - TREE_LAYER_TYPES)
+    if other:
+        refuse(f"its layers of type {', '.join(other)} take masks hf_specdec does not build")
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attention not in ("sdpa", "eager"):
+        refuse(f"attn_implementation={attention!r} cannot take a custom 4-D attention mask (load the model with "
+               "attn_implementation='sdpa' or 'eager')")
