@@ -163,6 +163,8 @@ class AdaptiveChainRule:
         all_kept, emitted = self._worth(confidences)
         gain = all_kept * self.calibrated(confidences[-1])
         extra_time = self.t_draft + max(0.0, t_next - t_now)
+        if extra_time <= 0.0:  # one more token costs nothing measurable: it can only add
+            return True
         return gain / extra_time > emitted / (n * self.t_draft + t_now)
 
     def lookup_tokens(self, confidences: Sequence[float]) -> int:
