@@ -27,8 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="decode a task with several modes, time them, check quality, write a report")
     r.add_argument("--target", required=True, help="model reference: bundle:NAME, hub id, local dir or .gguf")
     r.add_argument("--draft", default=None, help="draft model reference (needed by hf_assisted*, specdec_*)")
-    r.add_argument("--draft-quant", default=None, choices=["4bit", "8bit", "none"], help="quantize the draft")
-    r.add_argument("--dtype", default="auto", help="auto | bf16 | fp16 | fp32 (both models)")
+    r.add_argument("--draft-quant", default="auto", choices=["auto", "4bit", "8bit", "dynamic-int8", "none"],
+                   help="draft format: auto (the hardware profile's fastest that fits), a quantization, or none "
+                        "(the target's dtype)")
+    r.add_argument("--dtype", default="auto", help="target dtype: auto (the hardware profile's choice) | bf16 | "
+                                                   "fp16 | fp32")
+    r.add_argument("--plain-dtypes", default=None, metavar="LIST",
+                   help="also time plain decoding of the target loaded in each of these dtypes, e.g. bf16,fp32 "
+                        "(modes plain_bf16, plain_fp32; the report adds speed against the fastest of them)")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     r.add_argument("--modes", default="plain,hf_assisted,hf_prompt_lookup,specdec_adaptive,lookahead",
                    help="comma-separated; plain is always added (the baseline)")
@@ -73,7 +79,7 @@ def _config(args, modes: list[str], seeds: list[int]) -> dict[str, Any]:
         "target": args.target, "draft": args.draft, "draft_quant": args.draft_quant, "dtype": args.dtype,
         "device": args.device, "task": args.task, "limit": args.limit, "modes": modes,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "spec_k": args.spec_k,
-        "lookahead": args.lookahead,
+        "lookahead": args.lookahead, "plain_dtypes": args.plain_dtypes,
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                      "repeats": args.repeats, "seeds": seeds, "warmup": args.warmup, "spec_k": args.spec_k,
                      "lookahead": args.lookahead, "threads": args.threads},
@@ -84,15 +90,22 @@ def cmd_run(args) -> int:
     import torch
 
     from hf_specdec import LookaheadConfig
-    from hf_specdec.harness import DRAFT_MODES, Harness, Settings, machine_record, parse_modes
-    from hf_specdec.models import load_model
+    from hf_specdec.harness import (DRAFT_MODES, MODES, PLAIN_DTYPE_MODES, Harness, Settings, choices_record,
+                                    loaded_format, machine_record, parse_modes)
+    from hf_specdec.models import Workload, load_model, load_pair
 
     from . import report, runner
     from .analysis import analyze
     from .metrics import tie_threshold
     from .tasks import load_task
 
+    plain_dtypes = [d.strip() for d in args.plain_dtypes.split(",") if d.strip()] if args.plain_dtypes else []
     modes = parse_modes(args.modes)
+    modes += [f"plain_{d}" for d in plain_dtypes if f"plain_{d}" not in modes]
+    unknown = [m for m in modes if m not in MODES and m not in PLAIN_DTYPE_MODES]
+    if unknown:
+        print(f"error: unknown --plain-dtypes {unknown}; known: {list(PLAIN_DTYPE_MODES)}", file=sys.stderr)
+        return 2
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,14 +122,25 @@ def cmd_run(args) -> int:
             print(f"error: {out} holds a run with different settings {diff}; use another --out", file=sys.stderr)
             return 2
 
-    target, tokenizer, target_info = load_model(args.target, dtype=args.dtype, device=args.device)
+    workload = Workload(new_tokens=args.max_new_tokens)
     draft = draft_info = None
-    if args.draft:
+    if args.draft:  # one hardware profile of the pair decides both formats (dtype / draft-quant "auto")
         quantize = None if args.draft_quant in (None, "none") else args.draft_quant
-        draft, draft_tok, draft_info = load_model(args.draft, dtype=args.dtype, quantize=quantize, device=args.device)
+        (target, tokenizer, target_info), (draft, draft_tok, draft_info) = load_pair(
+            args.target, args.draft, dtype=args.dtype, draft_quantize=quantize, device=args.device, workload=workload)
         if len(draft_tok) != len(tokenizer) or draft_tok.get_vocab() != tokenizer.get_vocab():
             print("warning: draft and target tokenizers differ; assisted modes may fall back or fail", file=sys.stderr)
-    for model in (target, draft):
+    else:
+        target, tokenizer, target_info = load_model(args.target, dtype=args.dtype, device=args.device,
+                                                    workload=workload)
+    plain_targets = {}  # the target in each --plain-dtypes dtype (itself when it is already loaded in it)
+    for fmt in plain_dtypes:
+        plain_targets[fmt] = target if loaded_format(target_info) == fmt else load_model(
+            args.target, dtype=fmt, device=args.device).model
+    for role, line in choices_record({"target": target_info, "draft": draft_info}).items():
+        if line is not None:
+            print(f"[hf_specdec] {line['line']}", file=sys.stderr)
+    for model in (target, draft, *plain_targets.values()):
         if model is not None:
             neutral_generation_config(model, args.temperature)
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
@@ -124,6 +148,7 @@ def cmd_run(args) -> int:
         dtype_resolved=dtype,
         load_info={"target": dataclasses.asdict(target_info),
                    "draft": dataclasses.asdict(draft_info) if draft_info is not None else None},
+        choices=choices_record({"target": target_info, "draft": draft_info}),
         machine=machine_record(target_info.device, dtype),
         chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
@@ -133,7 +158,10 @@ def cmd_run(args) -> int:
     samples = load_task(args.task, tokenizer, args.limit)
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, spec_k=args.spec_k,
                         lookahead=LookaheadConfig.from_dict(json.loads(args.lookahead) if args.lookahead else {}))
-    with Harness(target, tokenizer, draft, settings) as harness:  # one run, one task: one lookahead_warm memory
+    # one run, one task: one lookahead_warm memory; the speculative memory seeded from the cached profile
+    with Harness(target, tokenizer, draft, settings, plain_targets=plain_targets) as harness:
+        config["memory_seed"] = harness.memory_seed
+        (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
         prompts = {s.id: harness.encode(s.text, add_special_tokens=s.style != "chat").input_ids for s in samples}
         rows = runner.run(lambda mode, sample, seed, n: harness.generate_row(mode, prompts[sample.id], seed, n),
                           samples, modes, out, repeats=args.repeats, seeds=seeds, warmup_rounds=args.warmup,
@@ -150,7 +178,9 @@ def cmd_run(args) -> int:
 def print_summary(summary: dict, out: Path) -> None:
     speed = summary["speed"]
     qual = summary["quality"]["modes"]
-    print(f"\n{'mode':<20} {'tok/s':>8} {'speedup':>8} {'pass@1':>7} {'exact':>6}")
+    fastest = any(e.get("vs_fastest_plain") for e in speed.values())
+    print(f"\n{'mode':<20} {'tok/s':>8} {'speedup':>8} {'pass@1':>7} {'exact':>6}"
+          + (f" {'vs fastest plain (worst prompt)':>32}" if fastest else ""))
     for mode, e in speed.items():
         if not e.get("n_prompts"):
             print(f"{mode:<20} {'(no rows)':>8}")
@@ -159,7 +189,9 @@ def print_summary(summary: dict, out: Path) -> None:
         p = q.get("pass_at_1")
         ex = q.get("exact_rate")
         print(f"{mode:<20} {e['tokens_per_s_median']:8.2f} {e.get('speedup', 1.0):7.2f}x "
-              f"{'' if p is None else f'{p:.0%}':>7} {'' if ex is None else f'{ex:.0%}':>6}")
+              f"{'' if p is None else f'{p:.0%}':>7} {'' if ex is None else f'{ex:.0%}':>6}"
+              + (f" {e['vs_fastest_plain']:>17.2f}x ({e['per_prompt_vs_fastest_plain']['min']:.2f}x)"
+                 if e.get("vs_fastest_plain") else ""))
     if summary["errors"]:
         print(f"{len(summary['errors'])} failed generations (see report)")
     print(f"report: {out / 'report.md'}")

@@ -273,6 +273,12 @@ def markdown(summary: dict, modes: list[str], plots: list[str]) -> str:
         ["mode", "tok/s (median)", "tok/s (best rep)", "speedup", *(["vs prompt lookup"] if with_lookup else []),
          "per-prompt speedup median [p10, p90]", "per-prompt min", "prompts faster", "TTFT s", "TPOT ms", "e2e s",
          "peak mem"], rows))
+    if any(speed.get(m, {}).get("vs_fastest_plain") for m in modes):
+        parts.append("\nAgainst the fastest plain decoding of each prompt (the faster of the plain dtypes that ran, "
+                     "prompt by prompt): " + ", ".join(
+                         f"{m} {_f(speed[m]['vs_fastest_plain'], '{:.2f}x')} (worst prompt "
+                         f"{_f(speed[m]['per_prompt_vs_fastest_plain'].get('min'), '{:.2f}x')})"
+                         for m in modes if speed.get(m, {}).get("vs_fastest_plain")) + ".")
     spreads = {m: speed[m].get("repeat_spread_median") for m in modes if speed.get(m, {}).get("n_prompts")}
     if any(v is not None for v in spreads.values()):
         parts.append("\nTiming noise: median over prompts of (max - min) / median end-to-end time across repeats: "

@@ -9,24 +9,28 @@ GENERATE_MODES = ("speculative", "lookahead", "plain")  # speculative = specdec_
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hf_specdec.harness import MODES, Harness, IncrementalText, RoundStreamer, Settings
+    from hf_specdec.harness import MODES, Harness, IncrementalText, RoundStreamer, Settings, choice_line
     from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, Workload, load_model, load_pair
+    from hf_specdec.models.profile import read_profile_file
 
     mode = MODES[f"specdec_{args.policy}" if args.mode == "speculative" else args.mode]
     workload = Workload(new_tokens=args.max_new_tokens)
+    profile = read_profile_file(args.profile) if args.profile else None
     draft = None
     if mode.needs_draft:
         quantize = None if args.draft_quant == "none" else args.draft_quant
         (model, tokenizer, target_info), (draft, _, draft_info) = load_pair(
             args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT, dtype=args.dtype, draft_quantize=quantize,
-            workload=workload)
+            workload=workload, profile=profile)
         infos = (("target", target_info), ("draft", draft_info))
     else:
-        model, tokenizer, target_info = load_model(args.target or DEFAULT_TARGET, dtype=args.dtype, workload=workload)
+        model, tokenizer, target_info = load_model(args.target or DEFAULT_TARGET, dtype=args.dtype, workload=workload,
+                                                   profile=profile)
         infos = (("target", target_info),)
-    for role, info in infos:
-        if info.choice is not None:
-            print(f"[hf_specdec] {role} {info.choice.kind.replace('_', ' ')} {info.choice.why}", file=sys.stderr)
+    for role, info in infos:  # what was loaded in which format, and why (the profile's choice, or as asked)
+        print(f"[hf_specdec] {choice_line(role, info)}", file=sys.stderr)
+        if info.choice is not None and info.choice.split:
+            print(f"[hf_specdec] {role} note: {info.choice.split}", file=sys.stderr)
     text = IncrementalText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def show(ids: list[int], accepted: int, t: float) -> None:
@@ -34,7 +38,9 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     settings = Settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    with Harness(model, tokenizer, draft, settings) as harness:
+    with Harness(model, tokenizer, draft, settings, profile=profile) as harness:
+        if harness.memory_seed is not None:
+            print(f"[hf_specdec] speculative memory {harness.memory_seed['why']}", file=sys.stderr)
         prompt = harness.encode(args.prompt, chat=args.chat)
         row = harness.generate_row(mode.name, prompt.input_ids, seed=args.seed,
                                    streamer=RoundStreamer(on_chunk=show, sync=harness.sync))
@@ -79,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="speculative (hf_specdec with --policy), lookahead, plain, or any eval harness mode")
     gen.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "heuristic"])
     gen.add_argument("--dtype", default="auto", help="target dtype: auto (measured choice), bf16, fp16, fp32")
+    gen.add_argument("--profile", default=None, metavar="FILE",
+                     help="hardware profile JSON (hf-specdec tune --json) for the auto choices, instead of the cached "
+                          "one (measured once when missing)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)

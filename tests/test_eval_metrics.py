@@ -111,3 +111,20 @@ def test_acceptance_by_position_pools_raw_counts():
     b = {"rounds": 9, "new_tokens": 9, "drafted_per_position": [2], "accepted_per_position": [0]}
     rows = [_row("a", "m", 5, 1.0, spec=a), _row("b", "m", 9, 1.0, spec=b)]
     assert metrics.spec_table(rows, ["m"])["m"]["acceptance_per_position"] == pytest.approx([0.5, 0.0])
+
+
+def test_fastest_plain_is_taken_prompt_by_prompt():
+    """The docstring's worked example, plus a second prompt where the other dtype is the faster plain."""
+    from eval.metrics import speed_table
+
+    def row(pid, mode, tokens, seconds):
+        return {"prompt_id": pid, "mode": mode, "seed": 0, "repeat": 0, "new_tokens": tokens, "e2e_s": seconds}
+
+    rows = [row("p", "plain_bf16", 10, 2.0), row("p", "plain_fp32", 10, 1.6), row("p", "spec", 10, 1.0),
+            row("q", "plain_bf16", 10, 1.0), row("q", "plain_fp32", 10, 3.0), row("q", "spec", 10, 2.0)]
+    table = speed_table(rows, ["plain_bf16", "plain_fp32", "spec"], baseline="plain_bf16")
+    per_prompt = table["spec"]["per_prompt_vs_fastest_plain"]
+    assert per_prompt["max"] == pytest.approx(1.6) and per_prompt["min"] == pytest.approx(0.5)
+    assert table["spec"]["vs_fastest_plain"] == pytest.approx((1.6 + 1.0) / (1.0 + 2.0))
+    assert table["plain_fp32"]["per_prompt_vs_fastest_plain"]["min"] == pytest.approx(1 / 3)
+    assert "vs_fastest_plain" not in speed_table(rows[:1] + rows[2:3], ["plain_bf16", "spec"], "plain_bf16")["spec"]

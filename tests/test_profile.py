@@ -363,3 +363,34 @@ def test_tune_measures_caches_and_prints(tiny_dir, tmp_path, monkeypatch, capsys
     assert calls[measured + 1:] == [("target", "bf16"), ("target", "fp32")]
     capsys.readouterr()
     assert cli_main(["tune", "--target", str(tmp_path / "nothing"), "--cache-dir", str(tmp_path)]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the harness: what loading chose, shown the same everywhere, and the speculative memory seeded from a profile
+
+
+def test_harness_seeds_the_speculative_memory_from_a_given_profile(tmp_path):
+    from hf_specdec.harness import Harness, choice_line, seed_memory
+    from hf_specdec.models.tiny import tiny_model
+
+    target, draft = tiny_model("qwen2", seed=0).eval(), tiny_model("qwen2", seed=1).eval()
+    given = P.HardwareProfile.from_numbers({"fp32": {1: 0.2, 2: 0.21, 4: 0.22, 8: 0.25}}, draft={"fp32": 0.05})
+    with Harness(target, None, draft, profile=given) as harness:
+        record = harness.memory_seed
+    assert record["seeded"] and record["source"] == "the given hardware profile"
+    assert record["forward_sizes"] == [1, 2, 4, 8] and record["c"] == pytest.approx(0.25)
+    assert record["why"] == ("seeded from the given hardware profile: target t(n) in fp32 at 4 sizes "
+                             "(t(1) 200.0 ms), draft step in fp32 50.0 ms, c = 0.25")
+    estimates = target.speculative_memory.estimates(draft)
+    assert estimates.forward.estimate(8) == pytest.approx(0.25) and estimates.draft_step.value == pytest.approx(0.05)
+    again = seed_memory(target, draft, profile=given)  # what the memory learned is never overwritten
+    assert not again["seeded"] and "already holds estimates" in again["why"]
+    other = tiny_model("qwen2", seed=2).eval()
+    missing = seed_memory(target, other, cache_dir=tmp_path)  # an empty profile cache: nothing measured here
+    assert not missing["seeded"] and missing["why"].startswith("not seeded: no cached hardware profile")
+    bf16_only = P.HardwareProfile.from_numbers({"bf16": {1: 0.1}}, draft={"4bit": 0.05})
+    assert "neither the target in fp32 nor the draft in fp32" in seed_memory(target, other, profile=bf16_only)["why"]
+    asked = loading.LoadInfo(ref="x", kind="pretrained", path="x", dtype="float32", quantize=None, device="cpu",
+                             load_time_s=0.0, choice=None)
+    assert choice_line("target", asked) == "target fp32 (as asked)"
+    assert choice_line("draft", dataclasses.replace(asked, quantize="4bit")) == "draft 4bit (as asked)"

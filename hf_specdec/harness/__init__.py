@@ -5,23 +5,26 @@ presets and ``hf-specdec generate``.
     with Harness(target, tokenizer, draft, Settings(max_new_tokens=64)) as harness:
         prompt = harness.encode("Write a function that reverses a list.", chat=True)
         row = harness.generate_row("specdec_adaptive", prompt.input_ids, seed=0)
-        print(row["tokens_per_s"], row["mean_accepted_length"])
+        print(row["tokens_per_s"], row["mean_accepted_length"], harness.memory_seed["why"])
 
-- ``modes``: the mode registry (``MODES``, ``get_mode``, ``parse_modes``);
+- ``modes``: the mode registry (``MODES``, ``get_mode``, ``parse_modes``; ``PLAIN_DTYPE_MODES``);
 - ``streaming``: ``RoundStreamer`` (first-token time, rounds, cancel), ``IncrementalText``;
 - ``encoding``: ``encode_prompt``, ``chat_text``;
+- ``formats``: ``choice_line`` / ``choices_record`` (what loading chose and why), ``seed_memory``;
 - ``machine``: ``machine_record``, carried by every report;
 - ``run``: ``Harness.generate_row`` (one timed call and its measurements), ``warm_up``, ``measure_costs``.
 """
 
 from .encoding import EncodedPrompt, chat_text, encode_prompt
+from .formats import choice_line, choices_record, loaded_format, seed_memory
 from .machine import machine_record
-from .modes import DRAFT_MODES, MODES, Mode, get_mode, parse_modes
+from .modes import DRAFT_MODES, MODES, PLAIN_DTYPE_MODES, PLAIN_FORMATS, Mode, get_mode, parse_modes, plain_format
 from .run import ForwardCounter, Harness, Settings, device_of, measure_costs, warm_up
 from .streaming import GenerationCancelled, IncrementalText, RoundStreamer
 
 __all__ = [
     "DRAFT_MODES", "EncodedPrompt", "ForwardCounter", "GenerationCancelled", "Harness", "IncrementalText", "MODES",
-    "Mode", "RoundStreamer", "Settings", "chat_text", "device_of", "encode_prompt", "get_mode", "machine_record",
-    "measure_costs", "parse_modes", "warm_up",
+    "Mode", "PLAIN_DTYPE_MODES", "PLAIN_FORMATS", "RoundStreamer", "Settings", "chat_text", "choice_line",
+    "choices_record", "device_of", "encode_prompt", "get_mode", "loaded_format", "machine_record", "measure_costs",
+    "parse_modes", "plain_format", "seed_memory", "warm_up",
 ]

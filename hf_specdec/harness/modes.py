@@ -13,6 +13,9 @@
 - ``lookahead``: hf_specdec lookahead, no draft; cold: ``lookahead_memory=None`` (no call learns from another).
 - ``lookahead_warm``: hf_specdec lookahead with the harness's one ``LookaheadMemory`` (one run, one task
   family): each call reads the earlier warm calls' prompts, outputs and measurements.
+- ``plain_bf16``, ``plain_fp16``, ``plain_fp32`` (``PLAIN_DTYPE_MODES``, not in ``MODES``): plain decoding of
+  the same target loaded in that dtype, a copy the harness holds (``Harness(plain_targets={"fp32": model})``),
+  so that one comparison can time plain decoding in every dtype against the others.
 
 transformers' modes run the unmodified transformers ``generate``: ``type(model).generate(model, ...)`` skips
 the per-instance override that ``hf_specdec.enable`` installs. hf_specdec's modes ``enable`` the target first.
@@ -106,22 +109,40 @@ MODES = MappingProxyType({mode.name: mode for mode in (
     Mode("lookahead_warm", "Lookahead with memory (hf_specdec)", False, True, _lookahead(warm=True)),
 )})
 DRAFT_MODES = tuple(name for name, mode in MODES.items() if mode.needs_draft)
+PLAIN_FORMATS = ("bf16", "fp16", "fp32")
+
+
+def _plain_copy(fmt: str) -> Callable:
+    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+        model = h.plain_target(fmt)
+        return type(model).generate(model, **kwargs)
+
+    return call
+
+
+PLAIN_DTYPE_MODES = MappingProxyType({f"plain_{fmt}": Mode(f"plain_{fmt}", f"Plain (transformers), {fmt} target",
+                                                           False, False, _plain_copy(fmt)) for fmt in PLAIN_FORMATS})
+
+
+def plain_format(name: str) -> str | None:
+    """The dtype of a ``plain_<dtype>`` mode ("bf16", "fp16", "fp32"), None for every other mode."""
+    return name.removeprefix("plain_") if name in PLAIN_DTYPE_MODES else None
 
 
 def get_mode(name: str) -> Mode:
-    try:
-        return MODES[name]
-    except KeyError:
-        raise ValueError(f"unknown mode {name!r}; known: {list(MODES)}") from None
+    found = MODES.get(name) or PLAIN_DTYPE_MODES.get(name)
+    if found is None:
+        raise ValueError(f"unknown mode {name!r}; known: {list(MODES) + list(PLAIN_DTYPE_MODES)}")
+    return found
 
 
 def parse_modes(text: str, baseline: str | None = "plain") -> list[str]:
     """Comma-separated mode names, checked; ``baseline`` is put first when missing (speedups and parity are
     measured against it)."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES and m not in PLAIN_DTYPE_MODES]
     if unknown:
-        raise ValueError(f"unknown mode(s) {unknown}; known: {list(MODES)}")
+        raise ValueError(f"unknown mode(s) {unknown}; known: {list(MODES) + list(PLAIN_DTYPE_MODES)}")
     if len(set(modes)) != len(modes):
         raise ValueError(f"duplicate modes in {text!r}")
     if baseline is not None and baseline not in modes:

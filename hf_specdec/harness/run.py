@@ -13,6 +13,11 @@ of one call (a row of the eval harness, the numbers of a demo pane, the summary 
 - ``spec``: ``SpecStats.to_dict()`` for hf_specdec modes, else None; ``round_log`` when hf_specdec reported
   its rounds; ``streamed_tokens``; ``peak_mem_bytes`` and ``mem_kind`` (CUDA max allocated, or the process's
   peak RSS reset before the call).
+
+With a draft, the harness enables hf_specdec on the target and seeds ``target.speculative_memory`` for the
+draft from the hardware profile (a given one, else the profile cache; never measured here:
+``formats.seed_memory``), so the first speculative call starts sized; ``harness.memory_seed`` says whether it
+was seeded and with what. transformers' modes are untouched by this (they call the class's ``generate``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import torch
 from .. import LookaheadConfig, LookaheadMemory
 from ..costmodel import forward_times
 from .encoding import EncodedPrompt, encode_prompt
-from .modes import get_mode
+from .formats import seed_memory as _seed_memory
+from .modes import get_mode, plain_format
 from .streaming import RoundStreamer
 
 
@@ -86,17 +92,30 @@ class Harness:
     """The models of one comparison, and what its calls share: forward counters and, for ``lookahead_warm``,
     one ``LookaheadMemory`` (fresh per harness; ``new_memory()`` starts another task family).
 
+    ``plain_targets``: copies of the target in other dtypes, ``{"fp32": model, ...}``, for the ``plain_<dtype>``
+    modes (a copy may be the target itself). With a draft and ``seed_memory`` (the default), the target's
+    speculative memory is seeded for the draft from ``profile`` or the profile cache (``profile_cache_dir``);
+    ``memory_seed`` records the outcome (None without a draft).
+
     Close it (or use it as a context manager) to remove the forward hooks.
     """
 
-    def __init__(self, target, tokenizer, draft=None, settings: Settings | None = None):
+    def __init__(self, target, tokenizer, draft=None, settings: Settings | None = None, *,
+                 plain_targets: dict[str, Any] | None = None, profile=None, profile_cache_dir=None,
+                 seed_memory: bool = True):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         self.settings = settings or Settings()
         self.device = device_of(target)
         self.cuda = self.device.type == "cuda"
         self.memory = LookaheadMemory()
+        self.plain_targets = dict(plain_targets or {})
         self._target_forwards = ForwardCounter(target)
         self._draft_forwards = ForwardCounter(draft) if draft is not None else None
+        self._plain_forwards = {fmt: ForwardCounter(model) for fmt, model in self.plain_targets.items()
+                                if model is not target}
+        self.memory_seed: dict[str, Any] | None = None
+        if draft is not None and seed_memory:
+            self.memory_seed = _seed_memory(target, draft, profile=profile, cache_dir=profile_cache_dir)
 
     def __enter__(self) -> "Harness":
         return self
@@ -108,6 +127,20 @@ class Harness:
         self._target_forwards.close()
         if self._draft_forwards is not None:
             self._draft_forwards.close()
+        for counter in self._plain_forwards.values():
+            counter.close()
+
+    def plain_target(self, fmt: str):
+        """The target copy in dtype ``fmt`` that the ``plain_<fmt>`` mode decodes with."""
+        try:
+            return self.plain_targets[fmt]
+        except KeyError:
+            raise ValueError(f"mode plain_{fmt} needs the target loaded in {fmt}: Harness(plain_targets="
+                             f"{{{fmt!r}: model}}) (have: {', '.join(self.plain_targets) or 'none'})") from None
+
+    def _forward_counter(self, mode: str) -> ForwardCounter:
+        fmt = plain_format(mode)
+        return self._target_forwards if fmt is None else self._plain_forwards.get(fmt, self._target_forwards)
 
     def new_memory(self) -> None:
         self.memory = LookaheadMemory()
@@ -151,6 +184,8 @@ class Harness:
         spec = get_mode(mode)
         if spec.needs_draft and self.draft is None:
             raise ValueError(f"mode {mode} needs a draft model")
+        if plain_format(mode) is not None:
+            self.plain_target(plain_format(mode))  # refuses a dtype the harness holds no copy in
         settings = settings or self.settings
         streamer = streamer or RoundStreamer(sync=self.sync)
         kwargs = self.generate_kwargs(input_ids, streamer, settings, max_new_tokens or settings.max_new_tokens)
@@ -161,9 +196,9 @@ class Harness:
         torch.manual_seed(seed)
         if self.cuda:
             torch.cuda.manual_seed_all(seed)
-        self._target_forwards.count = 0
-        if self._draft_forwards is not None:
-            self._draft_forwards.count = 0
+        for counter in (self._target_forwards, self._draft_forwards, *self._plain_forwards.values()):
+            if counter is not None:
+                counter.count = 0
         if spec.hf_specdec:
             self.target.last_spec_stats = None  # a failed call never shows the previous call's stats
         gc.collect()  # no collection of earlier garbage inside the timed window
@@ -180,7 +215,7 @@ class Harness:
         return self._row(spec, input_ids, out, start, end, streamer, rss_ok)
 
     def _row(self, spec, input_ids, out, start: float, end: float, streamer: RoundStreamer, rss_ok: bool) -> dict:
-        forwards = self._target_forwards.count
+        forwards = self._forward_counter(spec.name).count
         sequences = out.sequences if hasattr(out, "sequences") else out
         new_ids = sequences[0, input_ids.shape[1]:].tolist()
         n = len(new_ids)

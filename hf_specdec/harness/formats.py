@@ -1,0 +1,123 @@
+"""What loading chose and why, as every caller shows it, and hf_specdec's speculative memory started from the
+hardware profile.
+
+``choice_line("target", info)`` is one line of a ``LoadInfo``: ``"target bf16: expected 19.4 s for ..."`` when
+``dtype="auto"`` / ``quantize="auto"`` chose it (the profile's why), ``"draft fp32 (as asked)"`` when it was
+given. ``choices_record`` is the same for a report (JSON-ready).
+
+``seed_memory(target, draft)`` enables hf_specdec on the target and starts ``target.speculative_memory`` for
+this draft from the hardware profile: the target's t(n) in its loaded format and the draft's step in its
+format, so the first speculative call is sized from the start instead of measuring a plain step and probing a
+first draft length. The costs come from a given profile or from the profile cache
+(``hf_specdec.models.profile.cached_costs``): nothing is ever measured here. It returns a record of what was
+seeded, or why not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+PROFILE_HINT = "hf-specdec tune, or load with dtype/quantize 'auto', measures it once"
+
+
+def loaded_format(info) -> str:
+    """The format a ``LoadInfo`` describes: its quantization ("4bit", "8bit", "dynamic-int8") or its dtype as a
+    format name ("bf16", "fp32", ...)."""
+    from ..models.profile import as_format
+
+    if info.quantize:
+        return str(info.quantize)
+    try:
+        return as_format(info.dtype)
+    except ValueError:
+        return str(info.dtype)
+
+
+def choice_line(role: str, info) -> str:
+    """``"<role> <format>: <why>"`` for a measured choice, ``"<role> <format> (as asked)"`` for a given one."""
+    fmt = loaded_format(info)
+    choice = getattr(info, "choice", None)
+    if choice is None:
+        return f"{role} {fmt} (as asked)"
+    why = choice.why
+    return f"{role} {why}" if why.startswith(f"{choice.value}:") and choice.value == fmt else f"{role} {fmt}: {why}"
+
+
+def choices_record(infos: Mapping[str, Any]) -> dict[str, dict | None]:
+    """Per role (``{"target": LoadInfo, "draft": LoadInfo | None, ...}``): the ``format`` loaded, whether the
+    profile ``chosen`` it, its ``why`` and ``split`` note (None when given) and the ``line`` shown to people."""
+    record: dict[str, dict | None] = {}
+    for role, info in infos.items():
+        if info is None:
+            record[role] = None
+            continue
+        choice = getattr(info, "choice", None)
+        record[role] = {"format": loaded_format(info), "chosen": choice is not None,
+                        "why": None if choice is None else choice.why,
+                        "split": None if choice is None else choice.split, "line": choice_line(role, info)}
+    return record
+
+
+def _profile_costs(profile, target, draft) -> tuple[dict[int, float] | None, float | None]:
+    from ..models.profile import model_format
+
+    target_format, draft_format = model_format(target), model_format(draft)
+    forward = profile.target_entry(target_format).table if target_format in profile.target_formats else None
+    step = profile.draft_step(draft_format) if draft_format in profile.draft_formats else None
+    return forward, step
+
+
+def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any]:
+    """``hf_specdec.enable(target)``, then seed ``target.speculative_memory`` for ``draft`` from ``profile``
+    (a ``HardwareProfile``) or, without one, from the profile cache (``cached_costs``; never measures).
+
+    Returns ``{"seeded": bool, "source", "target_format", "draft_format", "forward_sizes", "t1_s",
+    "draft_step_s", "c", "why"}``; ``why`` says what was seeded or why nothing was. A memory that already holds
+    estimates for this draft (an earlier call or harness) is left as it is. Never raises: seeding is a speed
+    hint, and a harness must run without it.
+    """
+    from .. import enable
+    from ..models.profile import cached_costs, model_format
+
+    record: dict[str, Any] = {"seeded": False, "source": None, "target_format": None, "draft_format": None,
+                              "forward_sizes": [], "t1_s": None, "draft_step_s": None, "c": None, "why": ""}
+    try:
+        enable(target)
+        record["target_format"], record["draft_format"] = model_format(target), model_format(draft)
+        estimates = target.speculative_memory.estimates(draft)
+        if estimates.forward.largest or estimates.draft_step.value is not None:
+            record["why"] = "the speculative memory already holds estimates for this draft (left as they are)"
+            return record
+        if profile is not None:
+            forward, step = _profile_costs(profile, target, draft)
+            source = "the given hardware profile"
+        else:
+            forward, step = cached_costs(target, draft, cache_dir=cache_dir)
+            source = "the cached hardware profile"
+    except (OSError, ValueError, KeyError, RuntimeError) as err:  # a speed hint only: say why and run unseeded
+        record["why"] = f"not seeded: {type(err).__name__}: {err}"
+        return record
+    if forward is None and step is None:
+        t_fmt, d_fmt = record["target_format"], record["draft_format"]
+        record["why"] = (f"not seeded: the given hardware profile has neither the target in {t_fmt} nor the draft "
+                         f"in {d_fmt}" if profile is not None else
+                         f"not seeded: no cached hardware profile of the target in {t_fmt} or the draft in {d_fmt} "
+                         f"({PROFILE_HINT})")
+        return record
+    target.speculative_memory.seed(draft, forward, step)
+    t1 = forward.get(1) if forward else None
+    record.update(seeded=True, source=source, forward_sizes=sorted(forward) if forward else [], t1_s=t1,
+                  draft_step_s=step, c=step / t1 if step is not None and t1 else None)
+    parts = []
+    if forward:
+        parts.append(f"target t(n) in {record['target_format']} at {len(forward)} sizes (t(1) {t1 * 1e3:.1f} ms)"
+                     if t1 else f"target t(n) in {record['target_format']} at {len(forward)} sizes")
+    else:
+        parts.append(f"no target t(n) in {record['target_format']} (measured while decoding)")
+    parts.append(f"draft step in {record['draft_format']} {step * 1e3:.1f} ms" if step is not None
+                 else f"no draft step in {record['draft_format']} (measured while decoding)")
+    if record["c"] is not None:
+        parts.append(f"c = {record['c']:.2f}")
+    record["why"] = f"seeded from {source}: " + ", ".join(parts)
+    return record
