@@ -186,3 +186,13 @@ def test_lookup_only_round_when_the_history_beats_the_draft():
         observe(policy, outcome(Proposal.chain(range(10), [Source("lookup", 0, j) for j in range(1, 11)]), 10, 0.1))
     round_plan = plan(policy, 16, offer)
     assert round_plan.model_tokens == 0 and round_plan.candidates[0].tokens == tuple(range(policy.LEADING_LOOKUP))
+
+
+def test_keep_drafting_when_a_draft_step_is_free_and_verifying_one_more_is_free():
+    """A drafter whose steps cost nothing measurable (draft_time 0, or a coarse clock) on flat verify costs:
+    a confident next token is free, so it is worth drafting; the rule says so instead of dividing by zero."""
+    policy = AdaptivePolicy(SpecConfig())
+    feed(policy, 5, 4, 4, t_draft=0.0, t_verify=flat, plain_step=0.1)
+    rule = plan(policy, 16).rule
+    assert rule.t_draft == 0.0
+    assert rule.keep_drafting([0.99])

@@ -107,11 +107,35 @@ def test_streamer_sees_exactly_the_returned_tokens(prompt, policy):
 
 
 def test_sampling_respects_max_new_tokens_and_eos(prompt):
+    """Sampled speculative decoding stops at max_new_tokens, and at the first EOS: with the same seed (and a
+    fixed k, so the random draws do not depend on timing) a run with an EOS token is the run without one cut
+    just after that token's first occurrence, even when it was accepted inside a block of draft tokens."""
     model = tiny_model("llama", seed=0)
     draft = perturbed_copy(model, 0.02)
     hf_specdec.enable(model)
-    torch.manual_seed(0)
-    for _ in range(3):
+    fixed = hf_specdec.SpecConfig(policy="fixed", num_draft_tokens=4)
+
+    def sample(seed, **kwargs):
+        torch.manual_seed(seed)
         out = model.generate(prompt, assistant_model=draft, do_sample=True, temperature=0.8, top_k=20,
-                             max_new_tokens=17)
-        assert out.shape[1] == prompt.shape[1] + 17
+                             max_new_tokens=17, spec_config=fixed, **kwargs)
+        return out[0, prompt.shape[1]:].tolist()
+
+    cut_inside_a_block = 0
+    for seed in range(4):
+        free = sample(seed)
+        assert len(free) == 17
+        # a token first seen inside a round's block of emitted tokens (not the block's first token) as the EOS
+        starts, at = set(), 0
+        for _, emitted in model.last_spec_stats.round_log:
+            starts.add(at)
+            at += emitted
+        inside = [j for j in range(len(free)) if j not in starts and free[j] not in free[:j]]
+        if not inside:
+            continue
+        eos = free[inside[0]]
+        stopped = sample(seed, eos_token_id=eos, pad_token_id=eos)
+        assert stopped == free[: inside[0] + 1], (seed, eos)
+        assert model.last_spec_stats.round_log[-1][1] > 1  # the EOS came with tokens before it in its round
+        cut_inside_a_block += 1
+    assert cut_inside_a_block >= 2
