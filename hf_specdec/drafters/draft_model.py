@@ -98,6 +98,7 @@ class DraftModelDrafter:
         in which speculation never pays never runs the draft model at all."""
         self.rows = [view.row for view in views]
 
+    @torch.no_grad()  # the loop decodes under no_grad; a drafter called on its own must not build a graph
     def _read(self, views: Sequence[RowView]) -> float:
         """Prefill the draft's cache with every row's committed tokens but the last; returns the seconds."""
         start = time.perf_counter()
@@ -128,6 +129,7 @@ class DraftModelDrafter:
     def offer(self, views: Sequence[RowView]) -> list[Offer]:
         return [Offer(model_tokens=view.budget) for view in views]
 
+    @torch.no_grad()
     def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
         """Up to ``plan.model_tokens`` tokens per row, each from the draft's processed distribution at its own
         prefix; a plan's rule may stop a row earlier on its confidences; all rows step together."""
