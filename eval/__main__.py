@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "fp16 | fp32")
     r.add_argument("--plain-dtypes", default=None, metavar="LIST",
                    help="also time plain decoding of the target loaded in each of these dtypes, e.g. bf16,fp32 "
-                        "(modes plain_bf16, plain_fp32; the report adds speed against the fastest of them)")
+                        "(modes plain_bf16, plain_fp32, except the dtype the target was loaded in: that is 'plain'); "
+                        "the report adds speed against the fastest plain decoding of each prompt")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     r.add_argument("--modes", default="plain,hf_assisted,hf_prompt_lookup,specdec_adaptive,lookahead",
                    help="comma-separated; plain is always added (the baseline)")
@@ -133,10 +134,11 @@ def cmd_run(args) -> int:
     else:
         target, tokenizer, target_info = load_model(args.target, dtype=args.dtype, device=args.device,
                                                     workload=workload)
-    plain_targets = {}  # the target in each --plain-dtypes dtype (itself when it is already loaded in it)
-    for fmt in plain_dtypes:
-        plain_targets[fmt] = target if loaded_format(target_info) == fmt else load_model(
-            args.target, dtype=fmt, device=args.device).model
+    # the target in each other --plain-dtypes dtype; the dtype it was loaded in is the "plain" mode already
+    same = [fmt for fmt in plain_dtypes if fmt == loaded_format(target_info)]
+    modes = [m for m in modes if m not in {f"plain_{fmt}" for fmt in same}]
+    plain_targets = {fmt: load_model(args.target, dtype=fmt, device=args.device).model
+                     for fmt in plain_dtypes if fmt not in same}
     for role, line in choices_record({"target": target_info, "draft": draft_info}).items():
         if line is not None:
             print(f"[hf_specdec] {line['line']}", file=sys.stderr)
@@ -149,6 +151,7 @@ def cmd_run(args) -> int:
         load_info={"target": dataclasses.asdict(target_info),
                    "draft": dataclasses.asdict(draft_info) if draft_info is not None else None},
         choices=choices_record({"target": target_info, "draft": draft_info}),
+        plain_is=loaded_format(target_info),  # the dtype the "plain" mode decodes in (--plain-dtypes adds others)
         machine=machine_record(target_info.device, dtype),
         chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
