@@ -6,7 +6,10 @@ A script, not a test. HumanEval prompts (completion style), left-padded into bat
 every mode decodes the same batches, modes rotated per batch, after a warm-up. Throughput = all rows' new tokens
 (until each row's EOS or the limit) / total seconds. Greedy; every row of every mode is checked against plain
 batched generate on the same padded batch (bf16 near-ties may legitimately flip a token; fp32 is exact).
-The hf_specdec modes get one memory per run (``enable(model)``), as a server would.
+Speculative modes share the target's speculative memory (``enable(model)``: measured costs and acceptance, as a
+server would); ``speculative_one_k`` drafts one k for every row of the batch (no confidence stop, no lookup
+tail), against the default's per-row lengths (confidence stop per row, padded to the longest); lookahead runs
+cold (``lookahead_memory=None``), since the same prompts come back at every batch size.
 """
 
 from __future__ import annotations
@@ -59,8 +62,14 @@ def main(argv=None) -> int:
                                          pad_token_id=pad),
         "speculative": lambda ids, mask: target.generate(ids, attention_mask=mask, assistant_model=draft,
                                                          max_new_tokens=args.new, do_sample=False, pad_token_id=pad),
+        # one k for every row (no confidence stop, no prompt-lookup tail): against the default's per-row lengths
+        "speculative_one_k": lambda ids, mask: target.generate(
+            ids, attention_mask=mask, assistant_model=draft, max_new_tokens=args.new, do_sample=False,
+            pad_token_id=pad, spec_config=hf_specdec.SpecConfig(confidence_stop=False, history_lookup=False)),
+        # cold: the same prompts come back at every batch size, and a memory would copy the earlier answers
         "lookahead": lambda ids, mask: target.generate(ids, attention_mask=mask, decoding="lookahead",
-                                                       max_new_tokens=args.new, do_sample=False, pad_token_id=pad),
+                                                       lookahead_memory=None, max_new_tokens=args.new,
+                                                       do_sample=False, pad_token_id=pad),
     }
     texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
     warm_ids, warm_mask = left_padded(tokenizer, texts[:2])

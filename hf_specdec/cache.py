@@ -48,9 +48,12 @@ def check_cache_supported(cache: Cache | None) -> None:
         return
     if type(cache) is not DynamicCache:
         raise ValueError(
-            f"hf_specdec needs a DynamicCache that can roll back rejected draft tokens; got {type(cache).__name__}. "
-            "Do not pass cache_implementation='static'/'quantized'/'offloaded_static' or a custom cache object: "
-            "leave the cache to generate()."
+            f"hf_specdec decodes with a DynamicCache, which it rolls back and compacts after each round; got "
+            f"{type(cache).__name__}. Static, offloaded and quantized caches are not supported yet (a StaticCache "
+            "could roll back by moving its write position, but compacting a verified trie into its fixed buffers "
+            "and masking them is not implemented). Do not pass cache_implementation='static'/'quantized'/"
+            "'offloaded_static' or a cache object: leave the cache to generate(), or use plain generate() with "
+            "the static cache."
         )
     if cache.layers and not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
         raise ValueError(
@@ -165,6 +168,15 @@ class RowCache:
     @property
     def dense(self) -> bool:
         return self.valid is None
+
+    def nbytes(self) -> int:
+        """Bytes the cached keys and values take now (every layer, every row, padding columns included)."""
+        total = 0
+        for layer in getattr(self.cache, "layers", ()):
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
     def _columns(self) -> int:
         return self.cache.get_seq_length() if self.num_rows else 0

@@ -16,8 +16,9 @@
 The invariant between rounds: each row's cache holds its committed tokens except the last one, which is the
 first input of its next forward; its positions are those plain ``generate`` gives (``cumsum(mask) - 1``).
 
-Out of memory in the drafter, or while verifying guesses, frees the drafter and finishes with plain decoding
-from the tokens already committed: nothing is lost, nothing is repeated.
+Out of memory while verifying guesses redoes the round with at most half as many guesses per row and no
+window (``policy.CappedPolicy``); out of memory again, or in the drafter, frees the drafter and finishes with
+plain decoding from the tokens already committed: nothing is lost, nothing is repeated.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from . import cache as kv
 from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
 from .layout import round_layout, stack_layouts
-from .policy import Policy
+from .policy import CappedPolicy, Policy
 from .round import Proposal, RoundOutcome, RowView
 from .stats import SpecStats
 from .stopping import Emitter, cut_at_stop
@@ -113,8 +114,9 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
         except Exception as error:  # noqa: BLE001 - only out of memory with guesses is handled
             if not any(p.num_tokens or p.extra is not None for p in proposals):
                 raise
-            cache.discard()  # repair the cache, redo this round as a plain step
-            drafter = _drop_drafter(error, drafter, stats)
+            cache.discard()  # repair the cache and redo this round: fewer guesses first, then none
+            drafter.update([RoundOutcome.discarded(v, p, len(views)) for v, p in zip(views, proposals)])
+            policy, drafter = _shrink(error, policy, drafter, proposals, stats)
             continue
         # 7. emit
         outcomes = [_emit(inputs, emitter, scores_out, row, outcome, row_scores)
@@ -127,6 +129,7 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
 
     emitter.end()
     stats.total_time_s = time.perf_counter() - start
+    stats.cache_bytes, stats.draft_cache_bytes = cache.nbytes(), drafter.cache_bytes()
     drafter.release()
     return Decoded(_sequences(rows, inputs.pad_token_id), stats, tuple(scores_out))
 
@@ -253,6 +256,20 @@ def _guarded(step, views, drafter, stats):
     except Exception as error:  # noqa: BLE001 - only out of memory is handled, the rest re-raised
         return _drop_drafter(error, drafter, stats)
     return drafter
+
+
+def _shrink(error: BaseException, policy: Policy, drafter, proposals: list[Proposal], stats: SpecStats):
+    """Out of memory while verifying guesses: the first time, at most half as many guesses per row from now on
+    (no window); after that, plain decoding. Returns (policy, drafter) to go on with."""
+    largest = max(p.num_tokens + (p.extra.token_ids.shape[0] if p.extra is not None else 0) for p in proposals)
+    if not is_out_of_memory(error) or isinstance(policy, CappedPolicy) or largest <= 1:
+        return policy, _drop_drafter(error, drafter, stats)
+    stats.guess_cap = max(1, largest // 2)
+    logger.warning("hf_specdec: out of memory while verifying %d guesses per row (%s); going on with at most %d.",
+                   largest, error, stats.guess_cap)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return CappedPolicy(policy, stats.guess_cap), drafter
 
 
 def _drop_drafter(error: BaseException, drafter, stats: SpecStats):

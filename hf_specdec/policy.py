@@ -58,6 +58,7 @@ never reaches the policy, and the policy learns the round's confidences from the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -325,6 +326,36 @@ def _observe_regret(regret: Regret, estimates: Estimates, outcomes: Sequence[Rou
     emitted = sum(len(outcome.emitted) for outcome in outcomes)
     regret.observe(seconds, emitted, step / len(outcomes),
                    guessed=any(p.num_tokens or p.draft_forwards or p.extra is not None for p in proposals))
+
+
+class CappedPolicy:
+    """Another policy's plans, cut to at most ``cap`` guessed tokens per row and no Jacobi window: what the loop
+    runs after a round's forward ran out of memory, before it gives up speculation altogether.
+
+    >>> plan = CappedPolicy(FixedPolicy(8), cap=2).plan([RowView(0, None, 16)], [Offer(model_tokens=16)])
+    >>> plan[0].model_tokens, plan[0].max_tokens
+    (2, 2)
+    """
+
+    def __init__(self, policy: Policy, cap: int) -> None:
+        self.policy, self.cap = policy, max(1, cap)
+
+    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        return [self._cut(plan) for plan in self.policy.plan(views, offers)]
+
+    def _cut(self, plan: RoundPlan) -> RoundPlan:
+        candidates, room = [], self.cap
+        for candidate in plan.candidates:  # best first, until the cap is used up
+            if room <= 0:
+                break
+            candidates.append(Candidate(candidate.tokens[:room], candidate.source))
+            room -= len(candidates[-1].tokens)
+        return dataclasses.replace(plan, model_tokens=min(plan.model_tokens, self.cap),
+                                   max_tokens=min(plan.max_tokens, self.cap), candidates=tuple(candidates),
+                                   window=(1, 2))
+
+    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        self.policy.observe(outcomes)
 
 
 def make_policy(config: SpecConfig, estimates: Estimates | None = None) -> Policy:

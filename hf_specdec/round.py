@@ -221,6 +221,13 @@ class RoundOutcome:
     finished: bool = False
     rows: int = 1
 
+    @classmethod
+    def discarded(cls, view: RowView, proposal: Proposal, rows: int = 1) -> "RoundOutcome":
+        """A round whose forward failed (out of memory) and is redone: nothing accepted, nothing emitted, so a
+        drafter that already ran ahead (its draft cache) comes back to the committed tokens."""
+        return cls(proposal, accepted=(), next_token=-1, emitted=(), start_length=int(view.ids.shape[0]),
+                   forward_tokens=0, verify_time=0.0, row=view.row, rows=rows)
+
     @property
     def num_accepted(self) -> int:
         return len(self.accepted)

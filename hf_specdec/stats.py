@@ -52,6 +52,9 @@ class SpecStats:
     lookup_drafted: int = 0  # draft tokens no draft model produced (prompt lookup, pool, recycling)
     lookup_accepted: int = 0
     fell_back: str | None = None  # why speculation was switched off for the rest of the call (e.g. out of memory)
+    guess_cap: int | None = None  # after a round ran out of memory: the most guesses per row from then on
+    cache_bytes: int = 0  # the target's KV cache at the end of the call (all rows, padding columns included)
+    draft_cache_bytes: int = 0  # the drafter's own caches at the end of the call (a draft model's KV cache)
 
     # -- recording ------------------------------------------------------------------------------------------
     def record_prefill(self, seconds: float, emitted: int) -> None:

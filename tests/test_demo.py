@@ -197,7 +197,7 @@ def test_bad_inputs_and_caps(tiny_cache):
     status = run_all(tiny_cache, [])[-1][0]
     assert "at least one mode" in status
     s = app.DemoSettings.from_ui(10_000, -3, "nonsense", "8bit")
-    assert (s.max_new_tokens, s.temperature, s.policy, s.draft_quant) == (app.MAX_NEW_TOKENS, 0.0, "adaptive", "4bit")
+    assert (s.max_new_tokens, s.temperature, s.policy, s.draft_quant) == (app.MAX_NEW_TOKENS, 0.0, "adaptive", "auto")
     defaults = app.DemoSettings(app.DEFAULT_NEW_TOKENS, 0.0, "fixed", "none")
     assert app.DemoSettings.from_ui(None, "x", "fixed", "none") == defaults
     frames = run_all(tiny_cache, ["plain"], max_new_tokens=8, prompt="def f(x): return x\n" * 2000)

@@ -1,4 +1,4 @@
-"""Out of memory while generating: finish with plain decoding, nothing lost or duplicated."""
+"""Out of memory while generating: fewer guesses first, then plain decoding; nothing lost or duplicated."""
 
 import logging
 
@@ -56,6 +56,34 @@ def test_target_oom_while_verifying_falls_back_to_plain(prompt):
                                             spec_config=hf_specdec.SpecConfig(policy="fixed"))
     assert torch.equal(out, expected)
     assert model.last_spec_stats.fell_back is not None
+
+
+def test_target_oom_on_a_wide_verify_goes_on_with_half_the_guesses(prompt, caplog):
+    """k = 8 (9 inputs a round) runs out of memory above 6 inputs: the round is redone with at most 4 guesses,
+    which fit, and the call speculates on with that cap; the draft's cache is brought back to the committed
+    tokens (the output is plain greedy's)."""
+    model = tiny_model("llama", seed=0)
+    draft = perturbed_copy(model, 0.02)
+    expected = model.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    forward, widths = model.forward, []
+
+    def fail_above_six_inputs(*args, **kwargs):  # after the prefill
+        width = kwargs["input_ids"].shape[1]
+        if widths and width > 6:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        widths.append(width)
+        return forward(*args, **kwargs)
+
+    model.forward = fail_above_six_inputs
+    with caplog.at_level(logging.WARNING):
+        out = hf_specdec.enable(model).generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
+                                                spec_config=hf_specdec.SpecConfig(policy="fixed", num_draft_tokens=8))
+    stats = model.last_spec_stats
+    assert torch.equal(out, expected)
+    assert stats.guess_cap == 4 and stats.fell_back is None
+    assert "going on with at most 4" in caplog.text
+    assert max(widths[1:]) == 5 and stats.accepted > 0  # after the prefill: 1 + 4 guesses at most, accepted
+    assert stats.cache_bytes > 0 and stats.draft_cache_bytes > 0
 
 
 def test_other_errors_are_not_swallowed(prompt):

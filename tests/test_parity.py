@@ -72,6 +72,9 @@ class ScriptedDrafter:
     def update(self, outcomes):
         pass
 
+    def cache_bytes(self):
+        return 0
+
     def release(self):
         pass
 

@@ -32,7 +32,7 @@ PANES = MappingProxyType({"plain": "Plain (transformers)", "assisted": "Transfor
                           "hf_specdec": "hf_specdec", "lookahead": "Lookahead (hf_specdec)"})  # key -> label, run order
 DEFAULT_PANES = ("plain", "hf_specdec")
 POLICIES = ("adaptive", "fixed", "heuristic")
-QUANTIZATIONS = ("4bit", "none")
+QUANTIZATIONS = ("auto", "4bit", "none")  # auto: the hardware profile's fastest draft format that fits
 MAX_PROMPT_CHARS = 8000  # cut before tokenizing
 MAX_PROMPT_TOKENS = 1024  # the last 1024 prompt tokens are kept
 MAX_NEW_TOKENS = 256  # CPU demo: keep a run of all four modes under a few minutes
@@ -68,7 +68,7 @@ class DemoSettings:
     max_new_tokens: int = DEFAULT_NEW_TOKENS
     temperature: float = 0.0
     policy: str = "adaptive"
-    draft_quant: str = "4bit"
+    draft_quant: str = "auto"
 
     @classmethod
     def from_ui(cls, max_new_tokens, temperature, policy, draft_quant) -> "DemoSettings":
@@ -83,7 +83,7 @@ class DemoSettings:
             t = 0.0
         return cls(min(max(n, 1), MAX_NEW_TOKENS), min(max(t, 0.0), MAX_TEMPERATURE),
                    policy if policy in POLICIES else "adaptive",
-                   draft_quant if draft_quant in QUANTIZATIONS else "4bit")
+                   draft_quant if draft_quant in QUANTIZATIONS else "auto")
 
     def generation(self) -> Settings:
         return Settings(max_new_tokens=self.max_new_tokens, temperature=self.temperature)
@@ -243,7 +243,7 @@ def build_demo(choice: ModelChoice | None = None) -> gr.Blocks:
                                         label="Temperature (0 = greedy: outputs must be identical)")
                 with gr.Row():
                     policy = gr.Radio(list(POLICIES), value="adaptive", label="Draft policy (hf_specdec)")
-                    quant = gr.Radio(list(QUANTIZATIONS), value="4bit", label="Draft quantization")
+                    quant = gr.Radio(list(QUANTIZATIONS), value="auto", label="Draft format (auto: measured here)")
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
                 gr.Markdown(f"*{HONEST_TIMING_NOTE}* Models: {choice.describe()}.")
         status = gr.Markdown(elem_id="status")
@@ -265,7 +265,7 @@ def build_demo(choice: ModelChoice | None = None) -> gr.Blocks:
     return app
 
 
-def warm_cache(app: gr.Blocks, draft_quant: str = "4bit") -> str | None:
+def warm_cache(app: gr.Blocks, draft_quant: str = "auto") -> str | None:
     """Load the models and warm every mode up now. Returns an error message instead of raising."""
     try:
         app.model_cache.get(draft_quant)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..harness import MODES, Harness, warm_up
+from ..harness import MODES, Harness, choice_line, warm_up
 from ..models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
 from ..models.tiny import tiny_pair
 
@@ -31,10 +31,10 @@ class ModelChoice:
     tiny: bool = False
     dtype: str = "auto"
 
-    def describe(self, draft_quant: str = "4bit") -> str:
+    def describe(self, draft_quant: str = "auto") -> str:
         if self.tiny:
             return TINY_LABEL
-        quant = "4-bit" if draft_quant == "4bit" else "unquantized"
+        quant = {"4bit": "4-bit", "none": "unquantized"}.get(draft_quant, "format measured fastest here")
         return f"target `{self.target}` · draft `{self.draft}` ({quant}) · dtype {self.dtype} · CPU"
 
 
@@ -61,11 +61,12 @@ class ModelCache:
         self._target_error: str | None = None
         self._failed_at = float("-inf")
         self._loaded: dict[str, Loaded] = {}
+        self._target_notes: list[str] = []  # what loading chose for the target, and why
 
-    def is_loaded(self, draft_quant: str = "4bit") -> bool:
+    def is_loaded(self, draft_quant: str = "auto") -> bool:
         return draft_quant in self._loaded
 
-    def get(self, draft_quant: str = "4bit") -> Loaded:
+    def get(self, draft_quant: str = "auto") -> Loaded:
         with self._lock:
             retry = time.monotonic() - self._failed_at > RETRY_LOAD_S
             if self._target is None and (self._target_error is None or retry):
@@ -77,7 +78,8 @@ class ModelCache:
             if found is None or (found.harness.draft is None and retry):
                 draft, error, notes = self._load_draft(draft_quant)
                 harness = Harness(self._target, self._tokenizer, draft)
-                found = self._loaded[draft_quant] = Loaded(harness, error, tuple(notes + self._warm(harness)))
+                found = self._loaded[draft_quant] = Loaded(
+                    harness, error, tuple(self._target_notes + notes + self._warm(harness)))
                 self._failed_at = time.monotonic() if draft is None else self._failed_at
             return found
 
@@ -89,12 +91,14 @@ class ModelCache:
                 harness = Harness(target, tokenizer, draft)
                 warmed = tuple(self._warm(harness))
                 self._loaded["none"] = Loaded(harness, None, warmed)
-                self._loaded["4bit"] = Loaded(harness, None, ("4-bit quantization is not applied to the tiny "
-                                                              "random draft",) + warmed)
+                for quant in ("4bit", "auto"):
+                    self._loaded[quant] = Loaded(harness, None, ("quantization is not applied to the tiny random "
+                                                                 "draft",) + warmed)
             else:
                 print(f"[demo] loading target {self.choice.target} (the first start downloads the bundle) ...",
                       flush=True)
-                target, tokenizer, _ = load_model(self.choice.target, dtype=self.choice.dtype)
+                target, tokenizer, info = load_model(self.choice.target, dtype=self.choice.dtype)
+                self._target_notes = [choice_line("target", info)]
         except LOAD_ERRORS as exc:
             what = "the tiny models" if self.choice.tiny else f"the target model `{self.choice.target}`"
             self._target_error = f"Could not load {what}: {type(exc).__name__}: {exc}"
@@ -102,14 +106,18 @@ class ModelCache:
         self._target, self._tokenizer = target, tokenizer
 
     def _load_draft(self, draft_quant: str) -> tuple[object | None, str | None, list[str]]:
-        quantize = "4bit" if draft_quant == "4bit" else None
+        """The draft in ``draft_quant`` ("auto": the profile's fastest format that fits; "4bit"; "none": the
+        target's dtype); a 4-bit draft that fails to load is loaded unquantized, with a note."""
+        quantize = {"4bit": "4bit", "auto": "auto"}.get(draft_quant)
+        dtype = str(self._target.dtype).removeprefix("torch.") if quantize is None else self.choice.dtype
         print(f"[demo] loading draft {self.choice.draft} (quantize={quantize}) ...", flush=True)
         try:
-            return load_model(self.choice.draft, dtype=self.choice.dtype, quantize=quantize).model, None, []
+            loaded = load_model(self.choice.draft, dtype=dtype, quantize=quantize)
+            return loaded.model, None, [choice_line("draft", loaded.info)]
         except LOAD_ERRORS as exc:
             if quantize is None:
                 return None, f"Could not load the draft `{self.choice.draft}`: {type(exc).__name__}: {exc}", []
-            note = f"the 4-bit draft failed to load ({type(exc).__name__}: {exc}); using it unquantized"
+            note = f"the {quantize} draft failed to load ({type(exc).__name__}: {exc}); using it unquantized"
         draft, error, notes = self._load_draft("none")
         return draft, error, [note] + notes
 

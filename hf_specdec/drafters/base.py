@@ -9,6 +9,8 @@ works on the rows of a batch (one row for one prompt), each seen as a ``round.Ro
 ``propose(views, plans)``    per row, the guesses the policy's ``RoundPlan`` asks for (``round.Proposal``);
 ``update(outcomes)``         per row, the round's ``RoundOutcome``, so it keeps its state in step (a row whose
                              outcome is ``finished`` is gone from the next round);
+``cache_bytes()``            bytes its own caches hold now (a draft model's KV cache; 0 without one), reported in
+                             the stats at the end of a call;
 ``release()``                drop all state (caches) to free memory; it is not used again.
 
 Drafters never decide acceptance (``verify.py``) nor sizes (``policy.py``): a plan is a value they follow. A
@@ -35,6 +37,8 @@ class Drafter(Protocol):
     def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]: ...
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None: ...
+
+    def cache_bytes(self) -> int: ...
 
     def release(self) -> None: ...
 
@@ -66,6 +70,9 @@ class NoDrafter:
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         pass
 
+    def cache_bytes(self) -> int:
+        return 0
+
     def release(self) -> None:
         pass
 
@@ -95,6 +102,9 @@ class PerRow:
             if outcome.finished:
                 drafter.release()
                 del self.drafters[outcome.row]
+
+    def cache_bytes(self) -> int:
+        return 0  # row drafters (prompt lookup, lookahead) keep token tables, no model cache
 
     def release(self) -> None:
         for drafter in self.drafters.values():
@@ -158,6 +168,9 @@ class ChainDrafter:
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         for part in self.parts:
             part.update(outcomes)
+
+    def cache_bytes(self) -> int:
+        return sum(part.cache_bytes() for part in self.parts)
 
     def release(self) -> None:
         for part in self.parts:

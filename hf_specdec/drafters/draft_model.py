@@ -176,13 +176,19 @@ class DraftModelDrafter:
             for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
-        """Forget the KV of draft tokens the target rejected; drop the rows that finished."""
+        """Forget the KV of draft tokens the target rejected (all but the committed tokens before the newest, which
+        the next round feeds); drop the rows that finished."""
         keep = [i for i, outcome in enumerate(outcomes) if not outcome.finished]
         if self.cache is not None:
-            self.cache.truncate(torch.tensor([outcome.start_length + outcome.num_accepted for outcome in outcomes]))
+            self.cache.truncate(torch.tensor([
+                min(outcome.start_length + outcome.num_accepted, outcome.start_length + len(outcome.emitted) - 1)
+                for outcome in outcomes]))
             if len(keep) < len(outcomes) and keep:
                 self.cache.select_rows(keep)
         self.rows = [self.rows[i] for i in keep]
+
+    def cache_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes()
 
     def release(self) -> None:
         self.cache = None
