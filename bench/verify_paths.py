@@ -97,14 +97,14 @@ def real_paths(target: str, sizes, repeats) -> list[dict]:
 def compiled_paths(target: str, sizes, repeats) -> list[dict]:
     from hf_specdec.models.profile import build_proxy, config_of
 
-    config = config_of(target, progress=False)
+    config, _ = config_of(target, progress=False)
     rows = []
     for fmt in ("bf16", "fp32"):
         proxy = build_proxy(config, fmt, layers=2)
         rows.append(row(f"{fmt} proxy eager", curve(proxy, sizes, repeats), "2 decoder layers + head"))
         proxy.forward = torch.compile(proxy.forward, dynamic=False)
         start = time.perf_counter()
-        curve(proxy, sizes, 0)  # compile every shape once
+        curve(proxy, sizes, 1)  # compile every shape once
         rows.append(row(f"{fmt} proxy compiled", curve(proxy, sizes, repeats),
                         f"torch.compile (Inductor), {time.perf_counter() - start:.0f} s to compile {len(sizes)} shapes"))
         del proxy

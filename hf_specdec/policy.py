@@ -252,6 +252,9 @@ class AdaptivePolicy:
         self.rows = len(views)
         room = [view.budget for view in views]
         budget = min(self.max_k, max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
+        if self.rows > 1:  # a B x (k + 1) forward grows with B long before it does at B = 1: never price it from
+            # a flat extrapolation; rounds grow to at most twice the largest forward measured so far
+            budget = min(budget, max(1, 2 * self.estimates.forward.largest // self.rows - 1))
         k = self._draft_length(budget)
         if k == 0:
             return [PLAIN] * len(views)

@@ -196,3 +196,16 @@ def test_keep_drafting_when_a_draft_step_is_free_and_verifying_one_more_is_free(
     rule = plan(policy, 16).rule
     assert rule.t_draft == 0.0
     assert rule.keep_drafting([0.99])
+
+
+def test_a_batch_round_grows_to_at_most_twice_the_largest_measured_forward():
+    """At B = 4 after a plain step (4 inputs measured) a flat extrapolation would make any k look free; the
+    first drafting round reads at most 2 x 4 inputs (k = 1), the next at most twice what that measured."""
+    policy = AdaptivePolicy(SpecConfig())
+    views = [RowView(r, torch.arange(10), 64) for r in range(4)]
+    assert all(p.is_plain for p in policy.plan(views, [OFFER] * 4))
+    policy.observe([outcome(Proposal(), 0, 0.1) for _ in range(4)])  # forward_tokens 1 per row: 4 inputs
+    policy.estimates.forward.observe(4, 0.1)
+    assert {p.model_tokens for p in policy.plan(views, [OFFER] * 4)} == {1}
+    policy.estimates.forward.observe(8, 0.1)
+    assert {p.model_tokens for p in policy.plan(views, [OFFER] * 4)} == {3}
