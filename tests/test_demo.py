@@ -222,6 +222,7 @@ def test_model_load_failure_is_shown_not_raised(monkeypatch):
 
 def test_draft_load_failure_is_shown_in_the_panes_that_need_it(monkeypatch):
     from hf_specdec.models import LoadedModel
+    from hf_specdec.models.loading import LoadInfo
     from hf_specdec.models.tiny import tiny_pair
 
     target, _, tokenizer = tiny_pair()
@@ -229,7 +230,7 @@ def test_draft_load_failure_is_shown_in_the_panes_that_need_it(monkeypatch):
     def load(ref, **kwargs):
         if ref == "broken-draft":
             raise OSError("broken-draft: no such model")
-        return LoadedModel(target, tokenizer, None)
+        return LoadedModel(target, tokenizer, LoadInfo(ref, "pretrained", ref, "float32", None, "cpu", 0.0))
 
     monkeypatch.setattr(loading, "load_model", load)
     cache = app.ModelCache(app.ModelChoice(target="t", draft="broken-draft"), warm_modes=["plain"])
