@@ -256,7 +256,8 @@ class Regret:
 class Estimates:
     """Everything measured or learned while decoding that sizing decisions read.
 
-    ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward; ``acceptance``: one
+    ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward; ``draft_setup``: seconds
+    per token the draft model reads before it first drafts (its prompt prefill, padding included); ``acceptance``: one
     ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
     its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
     (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.
@@ -264,6 +265,7 @@ class Estimates:
 
     forward: ForwardCost = field(default_factory=ForwardCost)
     draft_step: Ema = field(default_factory=Ema)
+    draft_setup: Ema = field(default_factory=Ema)
     acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
     emas: dict[str, Ema] = field(default_factory=dict)
 

@@ -208,6 +208,7 @@ class AdaptivePolicy:
         self.regret = Regret(config.max_regret)  # what guessing lost against plain decoding in this call
         self.probe_interval = config.probe_interval  # doubles after each probe that did not pay
         self.probed = False  # the last drafting round was a probe
+        self.setup_tokens = 0  # tokens the draft reads before the round planned last (its prompts), to learn from
 
     # -- estimates ----------------------------------------------------------------------------------------------
     def _t(self, n: int, extrapolate: bool = False) -> float | None:
@@ -255,7 +256,8 @@ class AdaptivePolicy:
         if self.rows > 1:  # a B x (k + 1) forward grows with B long before it does at B = 1: never price it from
             # a flat extrapolation; rounds grow to at most twice the largest forward measured so far
             budget = min(budget, max(1, 2 * self.estimates.forward.largest // self.rows - 1))
-        k = self._draft_length(budget)
+        self.setup_tokens = sum(offer.setup_tokens for offer in offers)
+        k = self._draft_length(budget, remaining=max(room, default=0))
         if k == 0:
             return [PLAIN] * len(views)
         if self.estimates.draft_step.value is None:  # t_d unknown: draft the starting k once, measure it
@@ -272,21 +274,48 @@ class AdaptivePolicy:
                                        rule=rule))
         return plans
 
-    def _draft_length(self, budget: int) -> int:
+    def _setup_seconds(self) -> float:
+        """What the draft reading its prompts before this round would cost (0 once read, or while unmeasured: the
+        first call that drafts measures it)."""
+        per_token = self.estimates.draft_setup.value
+        return 0.0 if per_token is None else per_token * self.setup_tokens
+
+    def _repays_setup(self, k: int, gains: Sequence[float], remaining: int) -> bool:
+        """Does drafting k a round for the ``remaining`` tokens save more than the draft's prompt read costs?
+        Saved: remaining x (t(1) - T(k) / E[tokens a round]), every row advancing together.
+
+        >>> policy = AdaptivePolicy(SpecConfig())
+        >>> policy.estimates.forward.observe(1, 0.10); policy.estimates.forward.observe(4, 0.12)
+        >>> policy.estimates.draft_step.update(0.02); policy.estimates.draft_setup.update(0.01)
+        >>> policy.setup_tokens = 200  # 2 s to read the prompt; a round of 3 saves 0.1 - 0.18 / 2.5 = 0.028 s a token
+        >>> policy._repays_setup(3, [0.6, 0.5, 0.4], remaining=64), policy._repays_setup(3, [0.6, 0.5, 0.4], 128)
+        (False, True)
+        """
+        setup = self._setup_seconds()
+        if setup == 0.0:
+            return True
+        saved_per_token = self._t(1) - self._draft_round_seconds(k) / (1 + sum(gains[:k]))
+        return remaining * saved_per_token > setup
+
+    def _draft_length(self, budget: int, remaining: int | None = None) -> int:
         """The most draft-model tokens this round: 0 (a plain step) while t(1) or the draft's worth is unknown
-        or does not pay; with ``confidence_stop`` the cap (the in-round rule decides), else k*."""
+        or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens (default
+        ``budget``) cannot repay reading them; with ``confidence_stop`` the cap (the in-round rule decides),
+        else k*."""
         if budget <= 0 or not self.estimates.forward.measured(self.rows):  # a plain step first: the reference
             return 0
         if self.estimates.draft_step.value is None:
             return min(self.config.num_draft_tokens, budget)
         gains = prefix_gains(self.draft.rates(budget))
         best_k = best_count(gains, self._draft_round_seconds, budget)
+        if best_k > 0 and not self._repays_setup(best_k, gains, budget if remaining is None else remaining):
+            return 0  # speculation would pay per round, but not enough to repay the draft's prompt read
         if best_k > 0:
             self.probe_interval, self.probed = self.config.probe_interval, False
         elif self.probed:  # the last probe did not turn speculation back on: wait twice as long next time
             self.probe_interval, self.probed = min(1024, 2 * self.probe_interval), False
         if best_k == 0 and self.plain_rounds_in_a_row >= self.probe_interval and self.regret.allows(
-                self._draft_round_seconds(1) - self._t(1)):
+                self._draft_round_seconds(1) - self._t(1) + self._setup_seconds()):
             best_k = 1 + best_count(gains[1:], lambda n: self._draft_round_seconds(n + 1), budget - 1,
                                     base=1 + gains[0])  # probe: the best round that drafts at all
             self.probed = True
@@ -309,6 +338,9 @@ class AdaptivePolicy:
             self.plain_rounds_in_a_row += 1
             return
         self.plain_rounds_in_a_row = 0
+        setup = sum(outcome.proposal.setup_time for outcome in outcomes)
+        if setup > 0 and self.setup_tokens:
+            self.estimates.draft_setup.update(setup / self.setup_tokens)
         self.estimates.draft_step.update(sum(outcome.proposal.draft_time for outcome in outcomes) / forwards)
         self.draft.observe_slots(judged_slots(outcomes, "draft"))
         bins = []

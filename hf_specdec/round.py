@@ -69,6 +69,7 @@ class Offer:
 
     candidates: tuple[Candidate, ...] = ()
     model_tokens: int = 0  # most tokens the drafter's own model can draft (0: it has none)
+    setup_tokens: int = 0  # tokens its model must read before it first drafts (the prompt; 0 once read)
     positions_left: int | None = None  # positions after the last token before the model's position table ends
 
 

@@ -1,9 +1,11 @@
 """Draft-length policies, fed made-up measurements (no model, no clock: the costs are injected)."""
 
-from hf_specdec.config import SpecConfig
-from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy, speedup_bound
+import dataclasses
+
 import torch
 
+from hf_specdec.config import SpecConfig
+from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy, speedup_bound
 from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source
 
 OFFER = Offer(model_tokens=64)
@@ -209,3 +211,36 @@ def test_a_batch_round_grows_to_at_most_twice_the_largest_measured_forward():
     assert {p.model_tokens for p in policy.plan(views, [OFFER] * 4)} == {1}
     policy.estimates.forward.observe(8, 0.1)
     assert {p.model_tokens for p in policy.plan(views, [OFFER] * 4)} == {3}
+
+
+def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_repay_the_read():
+    """A batch of 8 prompts: the draft's prompt read, learned at 10 ms a token, costs 8 x 200 x 0.01 = 16 s.
+    Drafting k = 3 saves 0.1 - 0.18 / E a token; 64 tokens left cannot repay it (plain steps, and no probe
+    that would pay it), 4096 can. Once the draft has read the prompts (setup 0), drafting pays again."""
+    def run(remaining, setup_tokens):
+        policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+        policy.estimates.forward.observe(8, 0.10)  # a plain step of 8 rows
+        for n in (16, 24, 32, 40):
+            policy.estimates.forward.observe(n, 0.12)
+        policy.estimates.draft_step.update(0.02)
+        policy.estimates.draft_setup.update(0.01)
+        policy.draft.observe_slots([(i, True) for i in (1, 2, 3)] * 20)  # a well-accepted draft
+        views = [RowView(r, torch.arange(201), remaining) for r in range(8)]
+        offers = [Offer(model_tokens=remaining, setup_tokens=setup_tokens)] * 8
+        plans = [policy.plan(views, offers) for _ in range(60)]  # long enough to reach a probe
+        return {p.model_tokens for row_plans in plans for p in row_plans}
+
+    assert run(64, setup_tokens=200) == {0}
+    assert run(4096, setup_tokens=200) - {0}
+    assert run(64, setup_tokens=0) - {0}
+
+
+def test_the_draft_prompt_read_is_learned_per_token():
+    policy = AdaptivePolicy(SpecConfig())
+    views = [RowView(r, torch.arange(101), 64) for r in range(2)]
+    policy.estimates.forward.observe(2, 0.1)
+    policy.estimates.draft_step.update(0.02)
+    policy.plan(views, [Offer(model_tokens=64, setup_tokens=100)] * 2)
+    drafted = dataclasses.replace(chain(1, t_draft=0.02), setup_time=0.5)  # each row's share of a 1 s read
+    policy.observe([outcome(drafted, 1, 0.1), outcome(drafted, 1, 0.1)])
+    assert policy.estimates.draft_setup.value == 1.0 / 200

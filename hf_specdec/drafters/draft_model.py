@@ -127,7 +127,10 @@ class DraftModelDrafter:
         return logits[torch.arange(len(feeds)), last.to(logits.device), : self.vocab_size]
 
     def offer(self, views: Sequence[RowView]) -> list[Offer]:
-        return [Offer(model_tokens=view.budget) for view in views]
+        """Up to the room left per row; before the draft has read the prompts, what reading them costs: each
+        row's share of the left-padded batch (the longest row's committed tokens but the last)."""
+        width = 0 if self.cache is not None else max((int(view.ids.shape[0]) - 1 for view in views), default=0)
+        return [Offer(model_tokens=view.budget, setup_tokens=width) for view in views]
 
     @torch.no_grad()
     def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
