@@ -526,7 +526,9 @@ class TreePolicy:
     def _plan_row(self, budget: int, offer: Offer) -> RoundPlan:
         config, cost = self.config, self.estimates.forward
         # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
-        limit = min(config.max_forward_tokens, max(8, 2 * cost.largest // self.rows))
+        # (from 8 inputs at B = 1, where t(1..8) is flat on every device measured; from the plain step at B > 1,
+        # where a B x 8 forward is far past anything measured)
+        limit = min(config.max_forward_tokens, max(8 if self.rows == 1 else 1, 2 * cost.largest // self.rows))
         candidates = tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
         if config.max_candidates == "auto":
             ranked = rank_prefixes([(c.tokens, self.acceptance(c.source).rates(len(c.tokens))) for c in candidates])

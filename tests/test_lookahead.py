@@ -188,6 +188,24 @@ def test_window_gets_tokens_only_while_its_pool_pays():
     assert sum(plan.is_plain for plan in plans) == 1
 
 
+def test_a_batch_lookahead_round_grows_from_its_plain_step_one_doubling_at_a_time():
+    """At B = 8 after a plain step (8 inputs measured) every larger forward looks free by flat extrapolation; a
+    round reads at most twice what was measured (2 per row), not 8 per row (a 64-input forward)."""
+    config, estimates = LookaheadConfig(), Estimates()
+    policy = TreePolicy(config, estimates)
+    views = [RowView(r, torch.arange(10), 32) for r in range(8)]
+    offers = [Offer(candidates=(Candidate(tuple(range(20, 30)), ("history", 2)),))] * 8
+    estimates.forward.observe(8, 1.0)  # the plain step of 8 rows
+
+    def inputs(plan):  # per row: the last committed token and the trie (no window this small)
+        assert plan.window == (1, 2)
+        return 1 + sum(len(c.tokens) for c in plan.candidates)
+
+    assert {inputs(plan) for plan in policy.plan(views, offers)} == {2}
+    estimates.forward.observe(16, 1.0)
+    assert {inputs(plan) for plan in policy.plan(views, offers)} == {4}
+
+
 def test_depth_acceptance_learns_per_depth():
     rates = DecayedAcceptance(prior=0.3, decay=0.98, slots=4)
     for _ in range(50):
