@@ -27,6 +27,9 @@ from hf_specdec.harness import machine_record
 from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 
 
+STATS = ("draft_setup_time_s", "draft_time_s", "verify_time_s", "rounds", "rounds_spec_off")  # summed per mode
+
+
 def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     tokenizer.padding_side = "left"
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
     for batch in [int(b) for b in args.batches.split(",")]:
         groups = [texts[i: i + batch] for i in range(0, len(texts) - batch + 1, batch)]
         totals = {mode: [0, 0.0, 0, 0] for mode in modes}  # tokens, seconds, rows equal to plain, rows
+        spent = {mode: dict.fromkeys(STATS, 0.0) for mode in modes if mode != "plain"}  # where hf_specdec's time went
         for g, group in enumerate(groups):
             ids, mask = left_padded(tokenizer, group)
             order = list(modes)[g % len(modes):] + list(modes)[: g % len(modes)]
@@ -90,6 +94,9 @@ def main(argv=None) -> int:
                     out = modes[mode](ids, mask)
                     seconds = time.perf_counter() - start
                 new = out[:, ids.shape[1]:]
+                if mode in spent:
+                    for name in STATS:
+                        spent[mode][name] += getattr(target.last_spec_stats, name)
                 outs[mode] = new
                 totals[mode][0] += int((new != pad).sum())
                 totals[mode][1] += seconds
@@ -102,7 +109,9 @@ def main(argv=None) -> int:
         rates = {mode: t[0] / t[1] for mode, t in totals.items()}
         results[batch] = {mode: {"tokens": t[0], "seconds": round(t[1], 2), "tokens_per_s": round(rates[mode], 2),
                                  "vs_plain_same_batch": round(rates[mode] / rates["plain"], 3),
-                                 "rows_equal_to_plain": f"{t[2]}/{t[3]}"} for mode, t in totals.items()}
+                                 "rows_equal_to_plain": f"{t[2]}/{t[3]}",
+                                 **{name: round(value, 2) for name, value in spent.get(mode, {}).items()}}
+                          for mode, t in totals.items()}
     base = results.get(1, {}).get("plain", {}).get("tokens_per_s")
     report = {"machine": machine_record(), "target": dataclasses.asdict(target_info),
               "draft": dataclasses.asdict(draft_info), "new_tokens": args.new, "prompts": args.prompts,
