@@ -297,10 +297,10 @@ class AdaptivePolicy:
         saved_per_token = self._t(1) - self._draft_round_seconds(k) / (1 + sum(gains[:k]))
         return remaining * saved_per_token > setup
 
-    def _draft_length(self, budget: int, remaining: int | None = None) -> int:
+    def _draft_length(self, budget: int, remaining: int) -> int:
         """The most draft-model tokens this round: 0 (a plain step) while t(1) or the draft's worth is unknown
-        or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens (default
-        ``budget``) cannot repay reading them; with ``confidence_stop`` the cap (the in-round rule decides),
+        or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens cannot
+        repay reading them; with ``confidence_stop`` the cap (the in-round rule decides),
         else k*."""
         if budget <= 0 or not self.estimates.forward.measured(self.rows):  # a plain step first: the reference
             return 0
@@ -308,7 +308,7 @@ class AdaptivePolicy:
             return min(self.config.num_draft_tokens, budget)
         gains = prefix_gains(self.draft.rates(budget))
         best_k = best_count(gains, self._draft_round_seconds, budget)
-        if best_k > 0 and not self._repays_setup(best_k, gains, budget if remaining is None else remaining):
+        if best_k > 0 and not self._repays_setup(best_k, gains, remaining):
             return 0  # speculation would pay per round, but not enough to repay the draft's prompt read
         if best_k > 0:
             self.probe_interval, self.probed = self.config.probe_interval, False
