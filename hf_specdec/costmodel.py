@@ -3,8 +3,8 @@
 Every sizing decision in hf_specdec (``policy.py``) is an argmax of expected tokens per second, so it needs
 two kinds of numbers, both measured on the machine it runs on and never assumed:
 
-- costs: ``ForwardCost`` t(n), seconds of one target forward over n new tokens (monotone, interpolated), and an
-  ``Ema`` of the seconds of one draft-model step, t_d;
+- costs: ``ForwardCost`` t(n), seconds of one target forward over n new tokens (monotone, interpolated), and
+  another of the seconds of one draft-model step over n rows, t_d (it grows with the batch, as t(n) does);
 - acceptance: ``DecayedAcceptance``, P(a guess at position i is accepted | the guesses before it were), one per
   source of guesses (the draft model, prompt lookup, the lookahead pool, ...), decayed counts with a Beta prior.
 
@@ -119,6 +119,21 @@ class ForwardCost:
         if high == low:
             return bounded[n]
         return round(bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low), 12)
+
+    def scaled(self, n: int, like: "ForwardCost") -> float | None:
+        """``estimate(n)``; beyond the largest measured size m, t(m) scaled as ``like`` grows from m to n.
+
+        For costs of one machine that grow alike: a draft step over 8 rows, measured only up to 4, from the
+        target's t(8) / t(4). Flat (``estimate``) while ``like`` has not measured both sizes.
+
+        >>> draft, target = ForwardCost.from_table({1: 0.02, 4: 0.03}), ForwardCost.from_table({4: 0.1, 8: 0.2})
+        >>> draft.scaled(2, target), draft.scaled(8, target), draft.scaled(16, target)
+        (0.023333333333, 0.06, 0.03)
+        """
+        m = self.largest
+        if m == 0 or n <= m or not (like.measured(m) and like.measured(n)):
+            return self.estimate(n)
+        return round(self.estimate(m) * like.estimate(n) / like.estimate(m), 12)
 
 
 class DecayedAcceptance:
@@ -256,7 +271,8 @@ class Regret:
 class Estimates:
     """Everything measured or learned while decoding that sizing decisions read.
 
-    ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward; ``draft_setup``: seconds
+    ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward by the rows it steps (one
+    new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4); ``draft_setup``: seconds
     per token the draft model reads before it first drafts (its prompt prefill, padding included); ``acceptance``: one
     ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
     its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
@@ -264,7 +280,7 @@ class Estimates:
     """
 
     forward: ForwardCost = field(default_factory=ForwardCost)
-    draft_step: Ema = field(default_factory=Ema)
+    draft_step: ForwardCost = field(default_factory=ForwardCost)
     draft_setup: Ema = field(default_factory=Ema)
     acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
     emas: dict[str, Ema] = field(default_factory=dict)

@@ -53,12 +53,12 @@ class SpeculativeMemory:
     def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
              draft_step_seconds: float | None = None) -> None:
         """Start ``draft``'s estimates from measured costs (a hardware profile): t(n) of the target by inputs,
-        and the seconds of one draft step. Online measurements then refine them."""
+        and the seconds of one draft step (one row). Online measurements then refine them."""
         estimates = self.estimates(draft)
         if forward_seconds:
             estimates.forward = ForwardCost.from_table(forward_seconds)
         if draft_step_seconds is not None:
-            estimates.draft_step.update(draft_step_seconds)
+            estimates.draft_step.observe(1, draft_step_seconds)
 
     def clear(self) -> None:
         self._by_draft = weakref.WeakKeyDictionary()

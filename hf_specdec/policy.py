@@ -215,9 +215,14 @@ class AdaptivePolicy:
         """Seconds of a forward over n inputs per row (every row's)."""
         return self.estimates.forward.estimate(self.rows * n, extrapolate)
 
-    def _draft_round_seconds(self, k: int) -> float | None:
+    def _t_draft(self) -> float | None:
+        """Seconds of one draft step over this round's rows: measured at this many rows, or scaled from the most
+        rows measured as the target's t(n) scales (``ForwardCost.scaled``); None before any draft step."""
+        return self.estimates.draft_step.scaled(self.rows, like=self.estimates.forward)
+
+    def _draft_round_seconds(self, k: int, extrapolate: bool = False) -> float | None:
         """T(k) = k t_d + t(k + 1); None while either is unmeasured."""
-        t_d, t_v = self.estimates.draft_step.value, self._t(k + 1)
+        t_d, t_v = self._t_draft(), self._t(k + 1, extrapolate)
         if t_v is None or (k > 0 and t_d is None):
             return None
         return k * (t_d or 0.0) + t_v
@@ -240,7 +245,7 @@ class AdaptivePolicy:
     def rule(self) -> AdaptiveChainRule:
         longest = self.max_k + 2 + self.MAX_LOOKUP
         return AdaptiveChainRule(
-            t_draft=self.estimates.draft_step.value,
+            t_draft=self._t_draft(),
             t_step=tuple(self._t(n) for n in range(1, longest + 1)),
             t_extrapolated=tuple(self._t(n, extrapolate=True) for n in range(1, longest + 1)),
             bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
@@ -260,7 +265,7 @@ class AdaptivePolicy:
         k = self._draft_length(budget, remaining=max(room, default=0))
         if k == 0:
             return [PLAIN] * len(views)
-        if self.estimates.draft_step.value is None:  # t_d unknown: draft the starting k once, measure it
+        if self._t_draft() is None:  # t_d unknown: draft the starting k once, measure it
             return [RoundPlan(model_tokens=min(k, r), max_tokens=r) for r in room]
         rule, plans = self.rule(), []
         for view, offer in zip(views, offers):
@@ -286,7 +291,7 @@ class AdaptivePolicy:
 
         >>> policy = AdaptivePolicy(SpecConfig())
         >>> policy.estimates.forward.observe(1, 0.10); policy.estimates.forward.observe(4, 0.12)
-        >>> policy.estimates.draft_step.update(0.02); policy.estimates.draft_setup.update(0.01)
+        >>> policy.estimates.draft_step.observe(1, 0.02); policy.estimates.draft_setup.update(0.01)
         >>> policy.setup_tokens = 200  # 2 s to read the prompt; a round of 3 saves 0.1 - 0.18 / 2.5 = 0.028 s a token
         >>> policy._repays_setup(3, [0.6, 0.5, 0.4], remaining=64), policy._repays_setup(3, [0.6, 0.5, 0.4], 128)
         (False, True)
@@ -294,7 +299,8 @@ class AdaptivePolicy:
         setup = self._setup_seconds()
         if setup == 0.0:
             return True
-        saved_per_token = self._t(1) - self._draft_round_seconds(k) / (1 + sum(gains[:k]))
+        # the read cannot be undone: T(k) past the largest forward measured continues its slope (not flat)
+        saved_per_token = self._t(1) - self._draft_round_seconds(k, extrapolate=True) / (1 + sum(gains[:k]))
         return remaining * saved_per_token > setup
 
     def _draft_length(self, budget: int, remaining: int) -> int:
@@ -304,7 +310,7 @@ class AdaptivePolicy:
         else k*."""
         if budget <= 0 or not self.estimates.forward.measured(self.rows):  # a plain step first: the reference
             return 0
-        if self.estimates.draft_step.value is None:
+        if self._t_draft() is None:
             return min(self.config.num_draft_tokens, budget)
         gains = prefix_gains(self.draft.rates(budget))
         best_k = best_count(gains, self._draft_round_seconds, budget)
@@ -341,7 +347,8 @@ class AdaptivePolicy:
         setup = sum(outcome.proposal.setup_time for outcome in outcomes)
         if setup > 0 and self.setup_tokens:
             self.estimates.draft_setup.update(setup / self.setup_tokens)
-        self.estimates.draft_step.update(sum(outcome.proposal.draft_time for outcome in outcomes) / forwards)
+        drafting = sum(outcome.proposal.draft_time for outcome in outcomes)  # the batch's, over its rows
+        self.estimates.draft_step.observe(len(outcomes), drafting / forwards)
         self.draft.observe_slots(judged_slots(outcomes, "draft"))
         bins = []
         for outcome in outcomes:

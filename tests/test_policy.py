@@ -222,7 +222,7 @@ def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_r
         policy.estimates.forward.observe(8, 0.10)  # a plain step of 8 rows
         for n in (16, 24, 32, 40):
             policy.estimates.forward.observe(n, 0.12)
-        policy.estimates.draft_step.update(0.02)
+        policy.estimates.draft_step.observe(1, 0.02)
         policy.estimates.draft_setup.update(0.01)
         policy.draft.observe_slots([(i, True) for i in (1, 2, 3)] * 20)  # a well-accepted draft
         views = [RowView(r, torch.arange(201), remaining) for r in range(8)]
@@ -239,8 +239,29 @@ def test_the_draft_prompt_read_is_learned_per_token():
     policy = AdaptivePolicy(SpecConfig())
     views = [RowView(r, torch.arange(101), 64) for r in range(2)]
     policy.estimates.forward.observe(2, 0.1)
-    policy.estimates.draft_step.update(0.02)
+    policy.estimates.draft_step.observe(1, 0.02)
     policy.plan(views, [Offer(model_tokens=64, setup_tokens=100)] * 2)
     drafted = dataclasses.replace(chain(1, t_draft=0.02), setup_time=0.5)  # each row's share of a 1 s read
     policy.observe([outcome(drafted, 1, 0.1), outcome(drafted, 1, 0.1)])
     assert policy.estimates.draft_setup.value == 1.0 / 200
+
+
+def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size():
+    """A batch of 8 after calls of 4 rows: the draft step measured at 4 rows (0.05 s) costs what the target's
+    steps say a batch twice as large costs, t(8) / t(4) = 2 times as much. Priced at 0.05 s, drafting k = 7
+    would seem to repay the draft's 5 s prompt read within 64 tokens; priced at 0.1 s it does not (plain
+    steps), and within 128 tokens it does."""
+    def run(remaining):
+        policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+        for n, seconds in {4: 0.10, 8: 0.20, 16: 0.22, 32: 0.25}.items():
+            policy.estimates.forward.observe(n, seconds)
+        policy.estimates.draft_step.observe(4, 0.05)
+        policy.estimates.draft_setup.update(0.01)  # 8 rows x 63 tokens: 5.04 s
+        policy.draft.observe_slots([(i, True) for i in range(1, 9)] * 20)
+        views = [RowView(r, torch.arange(64), remaining) for r in range(8)]
+        plans = policy.plan(views, [Offer(model_tokens=remaining, setup_tokens=63)] * 8)
+        assert policy._t_draft() == 0.1
+        return {p.model_tokens for p in plans}
+
+    assert run(64) == {0}
+    assert run(128) == {7}

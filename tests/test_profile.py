@@ -382,7 +382,7 @@ def test_harness_seeds_the_speculative_memory_from_a_given_profile(tmp_path):
     assert record["why"] == ("seeded from the given hardware profile: target t(n) in fp32 at 4 sizes "
                              "(t(1) 200.0 ms), draft step in fp32 50.0 ms, c = 0.25")
     estimates = target.speculative_memory.estimates(draft)
-    assert estimates.forward.estimate(8) == pytest.approx(0.25) and estimates.draft_step.value == pytest.approx(0.05)
+    assert estimates.forward.estimate(8) == pytest.approx(0.25) and estimates.draft_step.estimate(1) == pytest.approx(0.05)
     again = seed_memory(target, draft, profile=given)  # what the memory learned is never overwritten
     assert not again["seeded"] and "already holds estimates" in again["why"]
     other = tiny_model("qwen2", seed=2).eval()

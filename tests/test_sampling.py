@@ -308,7 +308,7 @@ def seeded_adaptive(monkeypatch):
         seeded = Estimates()
         for n in range(1, 40):
             seeded.forward.observe(n, 1.0)
-        seeded.draft_step.update(0.01)
+        seeded.draft_step.observe(1, 0.01)
         return AdaptivePolicy(config, seeded)
 
     monkeypatch.setattr(integration, "make_policy", make_policy)

@@ -86,7 +86,7 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
         enable(target)
         record["target_format"], record["draft_format"] = model_format(target), model_format(draft)
         estimates = target.speculative_memory.estimates(draft)
-        if estimates.forward.largest or estimates.draft_step.value is not None:
+        if estimates.forward.largest or estimates.draft_step.largest:
             record["why"] = "the speculative memory already holds estimates for this draft (left as they are)"
             return record
         if profile is not None:
