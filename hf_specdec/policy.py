@@ -525,28 +525,37 @@ class TreePolicy:
         if not self.estimates.forward.measured(self.rows):  # a plain step first: every other size is compared to it
             self.last_plain_round = self.rounds
             return [PLAIN] * len(views)
-        plans = [self._plan_row(view.budget, offer) for view, offer in zip(views, offers)]
+        plans = self._plan_rows([view.budget for view in views], offers)
         if all(plan.is_plain for plan in plans):
             self.last_plain_round = self.rounds
         return plans
 
-    def _plan_row(self, budget: int, offer: Offer) -> RoundPlan:
+    def _plan_rows(self, budgets: Sequence[int], offers: Sequence[Offer]) -> list[RoundPlan]:
+        """One width for the batch: the forward is padded to its widest row, so a node in one row costs every row
+        its slot. The i-th slot adds the sum over rows of each row's i-th best prefix gain, the round emits
+        B + that sum in t(B (1 + n)), and n maximises the ratio (for one row, the row's own argmax)."""
         config, cost = self.config, self.estimates.forward
         # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
         # (from 8 inputs at B = 1, where t(1..8) is flat on every device measured; from the plain step at B > 1,
         # where a B x 8 forward is far past anything measured)
         limit = min(config.max_forward_tokens, max(8 if self.rows == 1 else 1, 2 * cost.largest // self.rows))
-        candidates = tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
+        candidates = [tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
+                      for budget, offer in zip(budgets, offers)]
+        chosen: list[tuple[Candidate, ...]] = [()] * len(offers)
+        num_nodes = 0
         if config.max_candidates == "auto":
-            ranked = rank_prefixes([(c.tokens, self.acceptance(c.source).rates(len(c.tokens))) for c in candidates])
-            nodes = best_count([gain for _, gain in ranked], lambda n: self._seconds(1 + n), limit - 1)
-            chosen = _truncate_to_trie(candidates, {prefix for prefix, _ in ranked[:nodes]})
-            num_nodes = nodes
+            ranked = [rank_prefixes([(c.tokens, self.acceptance(c.source).rates(len(c.tokens))) for c in row])
+                      for row in candidates]
+            slots = [sum(row[i][1] for row in ranked if i < len(row)) for i in range(max(map(len, ranked)))]
+            nodes = best_count(slots, lambda n: self._seconds(1 + n), limit - 1, base=float(len(offers)))
+            chosen = [_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})
+                      for row, prefixes in zip(candidates, ranked)]
+            num_nodes = min(nodes, len(slots))
         if config.window != "auto":
             window = config.window
             ngram = config.ngram if config.ngram != "auto" else (3 if window > 1 else 2)
         else:
-            used = 1 + (num_nodes if config.max_candidates == "auto" else 0)
+            used = 1 + num_nodes
             pool_gain = self.estimates.ema("pool_gain").value
             round_tokens = self.estimates.ema("round_tokens").value
             worth = min(config.window_tolerance,
@@ -558,16 +567,21 @@ class TreePolicy:
             if config.ngram != "auto":
                 ngram = config.ngram
                 window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
-        if config.max_candidates != "auto":
-            trie = merge_candidates(candidates, config.max_candidates * (ngram - 1))
-            chosen = _truncate_to_trie(candidates, {tuple(trie.tokens[n] for n in trie.path(node))
-                                                    for node in range(trie.num_tokens)})
-        if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
-            window, ngram = 1, 2  # the window would run past the position table
-        auto = config.window == "auto" and config.max_candidates == "auto"
-        if auto and (chosen or window > 1) and not self.regret.allows(0.0):
-            return PLAIN  # guessing has lost more than its budget against plain decoding: plain steps earn it back
-        return RoundPlan(max_tokens=budget, candidates=chosen, window=(window, ngram))
+        plans = []
+        for budget, offer, row, kept in zip(budgets, offers, candidates, chosen):
+            if config.max_candidates != "auto":
+                trie = merge_candidates(row, config.max_candidates * (ngram - 1))
+                kept = _truncate_to_trie(row, {tuple(trie.tokens[n] for n in trie.path(node))
+                                               for node in range(trie.num_tokens)})
+            shape = (window, ngram)
+            if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
+                shape = (1, 2)  # the window would run past the position table
+            auto = config.window == "auto" and config.max_candidates == "auto"
+            if auto and (kept or shape[0] > 1) and not self.regret.allows(0.0):
+                plans.append(PLAIN)  # guessing has lost more than its budget against plain decoding: plain steps
+                continue  # earn it back
+            plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape))
+        return plans
 
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Learn each source's acceptance per depth, what the pool adds, tokens per round, and the cost."""

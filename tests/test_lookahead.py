@@ -205,6 +205,21 @@ def test_a_batch_lookahead_round_grows_from_its_plain_step_one_doubling_at_a_tim
     estimates.forward.observe(16, 1.0)
     assert {inputs(plan) for plan in policy.plan(views, offers)} == {4}
 
+def test_a_batch_lookahead_round_widens_only_when_the_whole_batch_gains():
+    """The forward is padded to its widest row: one row's guess costs every row its slot. At B = 4 with
+    t(4) = 0.10 and t(8) = 0.13, one row with a 0.6 guess (history match of 3) gains 1.6 tokens for 1.3x the
+    time on its own, but the batch emits 4.6 tokens for 1.3x (plain); when every row has one it emits 6.4."""
+    config, estimates = LookaheadConfig(), Estimates()
+    policy = TreePolicy(config, estimates)
+    views = [RowView(r, torch.arange(10), 32) for r in range(4)]
+    estimates.forward.observe(4, 0.10)
+    estimates.forward.observe(8, 0.13)
+    estimates.forward.observe(16, 0.40)  # past two per row, a steep rise (no window fits)
+    guess, nothing = Offer(candidates=(Candidate((20,), ("history", 3)),)), Offer()
+    assert all(plan.is_plain for plan in policy.plan(views, [guess, nothing, nothing, nothing]))
+    plans = policy.plan(views, [guess] * 4)
+    assert [plan.candidates for plan in plans] == [guess.candidates] * 4
+
 
 def test_depth_acceptance_learns_per_depth():
     rates = DecayedAcceptance(prior=0.3, decay=0.98, slots=4)
