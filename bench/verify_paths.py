@@ -99,7 +99,11 @@ def compiled_paths(target: str, sizes, repeats) -> list[dict]:
 
     config, _ = config_of(target, progress=False)
     rows = []
+    # every (prefill, n) shape compiles once; both proxies share one code object, so without a reset and a higher
+    # limit the second proxy would hit dynamo's recompile limit and silently run eager
+    torch._dynamo.config.recompile_limit = 64
     for fmt in ("bf16", "fp32"):
+        torch._dynamo.reset()
         proxy = build_proxy(config, fmt, layers=2)
         rows.append(row(f"{fmt} proxy eager", curve(proxy, sizes, repeats), "2 decoder layers + head"))
         proxy.forward = torch.compile(proxy.forward, dynamic=False)
