@@ -234,13 +234,14 @@ class AdaptivePolicy:
                  if (t := self._draft_round_seconds(k)) is not None]
         return max(rates, default=0.0)
 
-    def _prefer_lookup(self, num_lookup: int) -> bool:
+    def _prefer_lookup(self, num_lookup: int, best_draft_rate: float) -> bool:
         """Is a round of ``num_lookup`` prompt-lookup tokens alone (no draft forward) worth more per second than
-        the best draft round? (Copying the input, as in edits, the draft is not needed.)"""
+        the best draft round (``best_draft_rate``, tokens per second)? (Copying the input, as in edits, the draft
+        is not needed.)"""
         t_v = self._t(num_lookup + 1, extrapolate=True)
         if t_v is None:
             return False
-        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate()
+        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > best_draft_rate
 
     def rule(self) -> AdaptiveChainRule:
         longest = self.max_k + 2 + self.MAX_LOOKUP
@@ -267,11 +268,13 @@ class AdaptivePolicy:
             return [PLAIN] * len(views)
         if self._t_draft() is None:  # t_d unknown: draft the starting k once, measure it
             return [RoundPlan(model_tokens=min(k, r), max_tokens=r) for r in room]
-        rule, plans = self.rule(), []
+        rule, plans, best_draft_rate = self.rule(), [], None
         for view, offer in zip(views, offers):
             leading = next((c for c in offer.candidates if c.source == ("lookup", 0)), None)
+            if self.config.history_lookup and leading is not None and best_draft_rate is None:
+                best_draft_rate = self._best_draft_rate()  # the same for every row: once a round
             if (self.config.history_lookup and leading is not None
-                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]))):
+                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]), best_draft_rate)):
                 plans.append(RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
                                        max_tokens=view.budget))
             else:
@@ -550,7 +553,7 @@ class TreePolicy:
             nodes = best_count(slots, lambda n: self._seconds(1 + n), limit - 1, base=float(len(offers)))
             chosen = [_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})
                       for row, prefixes in zip(candidates, ranked)]
-            num_nodes = min(nodes, len(slots))
+            num_nodes = nodes  # best_count never goes past len(slots)
         if config.window != "auto":
             window = config.window
             ngram = config.ngram if config.ngram != "auto" else (3 if window > 1 else 2)
@@ -567,7 +570,7 @@ class TreePolicy:
             if config.ngram != "auto":
                 ngram = config.ngram
                 window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
-        plans = []
+        auto, plans = config.window == "auto" and config.max_candidates == "auto", []
         for budget, offer, row, kept in zip(budgets, offers, candidates, chosen):
             if config.max_candidates != "auto":
                 trie = merge_candidates(row, config.max_candidates * (ngram - 1))
@@ -576,7 +579,6 @@ class TreePolicy:
             shape = (window, ngram)
             if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
                 shape = (1, 2)  # the window would run past the position table
-            auto = config.window == "auto" and config.max_candidates == "auto"
             if auto and (kept or shape[0] > 1) and not self.regret.allows(0.0):
                 plans.append(PLAIN)  # guessing has lost more than its budget against plain decoding: plain steps
                 continue  # earn it back

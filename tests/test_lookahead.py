@@ -205,6 +205,7 @@ def test_a_batch_lookahead_round_grows_from_its_plain_step_one_doubling_at_a_tim
     estimates.forward.observe(16, 1.0)
     assert {inputs(plan) for plan in policy.plan(views, offers)} == {4}
 
+
 def test_a_batch_lookahead_round_widens_only_when_the_whole_batch_gains():
     """The forward is padded to its widest row: one row's guess costs every row its slot. At B = 4 with
     t(4) = 0.10 and t(8) = 0.13, one row with a 0.6 guess (history match of 3) gains 1.6 tokens for 1.3x the
