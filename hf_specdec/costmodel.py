@@ -123,15 +123,16 @@ class ForwardCost:
     def scaled(self, n: int, like: "ForwardCost") -> float | None:
         """``estimate(n)``; beyond the largest measured size m, t(m) scaled as ``like`` grows from m to n.
 
-        For costs of one machine that grow alike: a draft step over 8 rows, measured only up to 4, from the
-        target's t(8) / t(4). Flat (``estimate``) while ``like`` has not measured both sizes.
+        For costs that grow alike: a draft step over 8 rows, measured only over 1, from the draft's profiled
+        step by rows (or, without one, the target's t(8) / t(1)). Flat (``estimate``) while ``like`` does not
+        reach n (it is never extrapolated).
 
         >>> draft, target = ForwardCost.from_table({1: 0.02, 4: 0.03}), ForwardCost.from_table({4: 0.1, 8: 0.2})
-        >>> draft.scaled(2, target), draft.scaled(8, target), draft.scaled(16, target)
-        (0.023333333333, 0.06, 0.03)
+        >>> draft.scaled(2, target), draft.scaled(8, target), draft.scaled(6, target), draft.scaled(16, target)
+        (0.023333333333, 0.06, 0.045, 0.03)
         """
         m = self.largest
-        if m == 0 or n <= m or not (like.measured(m) and like.measured(n)):
+        if m == 0 or n <= m or like.largest < n or not like.largest:
             return self.estimate(n)
         return round(self.estimate(m) * like.estimate(n) / like.estimate(m), 12)
 
@@ -272,7 +273,9 @@ class Estimates:
     """Everything measured or learned while decoding that sizing decisions read.
 
     ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward by the rows it steps (one
-    new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4); ``draft_setup``: seconds
+    new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4), measured while decoding;
+    ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
+    size not measured yet (empty: the target's t(n) scales it); ``draft_setup``: seconds
     per token the draft model reads before it first drafts (its prompt prefill, padding included); ``acceptance``: one
     ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
     its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
@@ -281,6 +284,7 @@ class Estimates:
 
     forward: ForwardCost = field(default_factory=ForwardCost)
     draft_step: ForwardCost = field(default_factory=ForwardCost)
+    draft_rows: ForwardCost = field(default_factory=ForwardCost)
     draft_setup: Ema = field(default_factory=Ema)
     acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
     emas: dict[str, Ema] = field(default_factory=dict)
@@ -295,6 +299,21 @@ class Estimates:
 
     def ema(self, name: str) -> Ema:
         return self.emas.setdefault(name, Ema())
+
+    def draft_seconds(self, rows: int) -> float | None:
+        """Seconds of one draft step over ``rows`` rows: measured at that many, or the most rows measured scaled
+        as the profiled draft step grows by rows (without a profile, as the target's t(n) grows); None before
+        any draft step was measured or seeded.
+
+        >>> estimates = Estimates()
+        >>> estimates.draft_step.observe(1, 0.05); estimates.forward.observe(1, 0.2); estimates.forward.observe(8, 0.21)
+        >>> estimates.draft_seconds(8)  # scaled like the target's flat t(n): a guess
+        0.0525
+        >>> estimates.draft_rows = ForwardCost.from_table({1: 0.04, 2: 0.044, 4: 0.08, 8: 0.09})  # profiled
+        >>> estimates.draft_seconds(8), estimates.draft_seconds(3)
+        (0.1125, 0.0775)
+        """
+        return self.draft_step.scaled(rows, like=self.draft_rows if self.draft_rows.largest else self.forward)
 
 
 # -- offline measurement --------------------------------------------------------------------------------------------

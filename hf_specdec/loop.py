@@ -163,7 +163,7 @@ def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], vi
     cache keeps each row's last token and accepted path (their KV computed in this forward, not recomputed).
 
     Returns (per row, the outcome without its emitted tokens; per row, processed scores [1 + a, V] of the
-    tokens it would emit).
+    tokens it would emit, or None when the call does not return scores).
     """
     start = time.perf_counter()
     layouts = [round_layout(proposal, int(view.ids[-1])) for view, proposal in zip(views, proposals)]
@@ -175,28 +175,30 @@ def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], vi
     full = needed.shape[0] == batch.input_ids.shape[1]
     logits = cache.forward(batch, num_logits=needed.shape[0] if full else needed)  # [B, |needed|, V]
     logits = logits[..., : inputs.vocab_size]
-    indices = [where[layout.logits_index].to(logits.device) for layout in layouts]  # per row: [R] into logits
-    verdicts, scores, kept = [], [], []
+    indices = [where[layout.logits_index] for layout in layouts]  # per row: [R] into logits
+    verdicts, scores, kept, gathered = [], [], [], []
     for i, (row, layout, proposal) in enumerate(zip(rows, layouts, proposals)):
-        row_logits = logits[i, indices[i]]  # [R, V]
+        index = indices[i]
+        in_order = index.shape[0] == logits.shape[1] and bool((index == torch.arange(index.shape[0])).all())
+        row_logits = logits[i] if in_order else logits[i, index.to(logits.device)]  # [R, V] (a view, or a copy)
+        gathered.append(row_logits)
         num_rows = 1 + proposal.num_tokens
         row_scores = _process(inputs, row.padded(), proposal, row_logits[:num_rows])  # [1 + T, V]
         verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
         verdicts.append(verdict)
-        scores.append(row_scores[[0] + [1 + node for node in verdict.accepted]])
+        scores.append(row_scores[[0] + [1 + node for node in verdict.accepted]] if inputs.output_scores else None)
         kept.append(layout.kept_inputs(verdict.accepted))
     cache.keep(kept)
     seconds = time.perf_counter() - start
     outcomes = []
-    for i, (view, layout, proposal, verdict) in enumerate(zip(views, layouts, proposals, verdicts)):
-        row_logits = logits[i, indices[i]]
+    for view, layout, proposal, verdict, row_logits in zip(views, layouts, proposals, verdicts, gathered):
         extra_next = top_inputs = top_next = None
         if proposal.extra is not None:
             extra_next = row_logits[layout.read_rows.to(logits.device)].argmax(dim=-1)  # [r]
         if proposal.top_k:
             computed = torch.cat([torch.arange(1 + proposal.num_tokens), layout.read_rows])
             top_inputs = layout.input_ids[layout.logits_index[computed]]  # [R]
-            top_next = row_logits[computed.to(logits.device)].topk(proposal.top_k, dim=-1).indices  # [R, K]
+            top_next = row_logits.topk(proposal.top_k, dim=-1).indices[computed.to(logits.device)]  # [R, K]
         outcomes.append(RoundOutcome(
             proposal=proposal, accepted=verdict.accepted, next_token=verdict.next_token, emitted=(),
             start_length=view.ids.shape[0], forward_tokens=batch.num_tokens, verify_time=seconds,

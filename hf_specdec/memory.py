@@ -51,12 +51,16 @@ class SpeculativeMemory:
         return found
 
     def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
-             draft_step_seconds: float | None = None) -> None:
+             draft_step_seconds: float | Mapping[int, float] | None = None) -> None:
         """Start ``draft``'s estimates from measured costs (a hardware profile): t(n) of the target by inputs,
-        and the seconds of one draft step (one row). Online measurements then refine them."""
+        and the seconds of one draft step, of one row or by rows (``{rows: seconds}``: its shape also prices
+        batch sizes not measured yet, ``Estimates.draft_seconds``). Online measurements then refine them."""
         estimates = self.estimates(draft)
         if forward_seconds:
             estimates.forward = ForwardCost.from_table(forward_seconds)
+        if isinstance(draft_step_seconds, Mapping):
+            estimates.draft_rows = ForwardCost.from_table(draft_step_seconds)
+            draft_step_seconds = draft_step_seconds.get(1)
         if draft_step_seconds is not None:
             estimates.draft_step.observe(1, draft_step_seconds)
 

@@ -216,9 +216,8 @@ class AdaptivePolicy:
         return self.estimates.forward.estimate(self.rows * n, extrapolate)
 
     def _t_draft(self) -> float | None:
-        """Seconds of one draft step over this round's rows: measured at this many rows, or scaled from the most
-        rows measured as the target's t(n) scales (``ForwardCost.scaled``); None before any draft step."""
-        return self.estimates.draft_step.scaled(self.rows, like=self.estimates.forward)
+        """Seconds of one draft step over this round's rows (``Estimates.draft_seconds``); None before any."""
+        return self.estimates.draft_seconds(self.rows)
 
     def _draft_round_seconds(self, k: int, extrapolate: bool = False) -> float | None:
         """T(k) = k t_d + t(k + 1); None while either is unmeasured."""
@@ -459,9 +458,11 @@ def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -
     """
     gains: dict[tuple[int, ...], float] = {}
     for tokens, rates in candidates:
+        tokens = tuple(map(int, tokens))  # once per candidate: its prefixes are slices of it
         for depth, gain in enumerate(prefix_gains(rates[: len(tokens)]), start=1):
-            prefix = tuple(int(t) for t in tokens[:depth])
-            gains[prefix] = max(gains.get(prefix, 0.0), gain)
+            prefix = tokens[:depth]
+            if gain > gains.get(prefix, -1.0):
+                gains[prefix] = gain
     return sorted(gains.items(), key=lambda item: (-item[1], len(item[0])))
 
 
@@ -547,8 +548,12 @@ class TreePolicy:
         chosen: list[tuple[Candidate, ...]] = [()] * len(offers)
         num_nodes = 0
         if config.max_candidates == "auto":
-            ranked = [rank_prefixes([(c.tokens, self.acceptance(c.source).rates(len(c.tokens))) for c in row])
-                      for row in candidates]
+            rates: dict[tuple[str, int], list[float]] = {}  # per source, to the deepest candidate: once a round
+            for row in candidates:
+                for c in row:
+                    if len(rates.get(c.source, ())) < len(c.tokens):
+                        rates[c.source] = self.acceptance(c.source).rates(len(c.tokens))
+            ranked = [rank_prefixes([(c.tokens, rates[c.source]) for c in row]) for row in candidates]
             slots = [sum(row[i][1] for row in ranked if i < len(row)) for i in range(max(map(len, ranked)))]
             nodes = best_count(slots, lambda n: self._seconds(1 + n), limit - 1, base=float(len(offers)))
             chosen = [_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})

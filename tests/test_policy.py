@@ -4,6 +4,7 @@ import dataclasses
 
 import torch
 
+from hf_specdec.costmodel import ForwardCost
 from hf_specdec.config import SpecConfig
 from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy, speedup_bound
 from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source
@@ -265,3 +266,26 @@ def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size()
 
     assert run(64) == {0}
     assert run(128) == {7}
+
+
+def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
+    """The draft step was measured over 1 row only (52 ms); the target's t(n) is flat from 1 to 64 inputs (bf16
+    with AMX), so scaled like the target a step over 8 rows would cost about as much as over 1, and drafting
+    k = 3 at B = 8 would seem to repay the 5 s prompt read within 96 tokens. The hardware profile measured the
+    draft step by rows (48 / 52 / 95 / 106 ms over 1 / 2 / 4 / 8 rows, a dynamic-int8 0.5B draft on an Intel Xeon
+    with AMX): priced at 0.115 s over 8 rows, drafting does not repay the read (plain steps)."""
+    def run(draft_rows):
+        policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+        for n, seconds in {1: 0.186, 8: 0.193, 16: 0.20, 32: 0.214, 64: 0.24}.items():
+            policy.estimates.forward.observe(n, seconds)
+        policy.estimates.draft_step.observe(1, 0.052)
+        if draft_rows:
+            policy.estimates.draft_rows = ForwardCost.from_table(draft_rows)
+        policy.estimates.draft_setup.update(0.01)  # 8 rows x 63 tokens: 5.04 s
+        policy.draft.observe_slots([(i, i < 4) for i in range(1, 5)] * 20)
+        views = [RowView(r, torch.arange(64), 96) for r in range(8)]
+        plans = policy.plan(views, [Offer(model_tokens=96, setup_tokens=63)] * 8)
+        return round(policy._t_draft(), 4), {p.model_tokens for p in plans}
+
+    assert run(None) == (0.054, {3})  # a guess from the target's curve: 54 ms, and the read is paid
+    assert run({1: 0.048, 2: 0.052, 4: 0.095, 8: 0.106}) == (0.1148, {0})

@@ -110,7 +110,7 @@ def _fake_measurer(calls):
         if fmt == "8bit":
             raise P.FormatUnavailable("bitsandbytes 8-bit kernels need wider layers")
         base = {"bf16": 0.2, "fp32": 0.3}.get(fmt, 0.1)
-        sizes = P.TARGET_SIZES if role == "target" else (1,)
+        sizes = P.role_sizes(role)
         return P.FormatCost(fmt, {n: base * (1 + 0.01 * n) for n in sizes},
                             P.PREFILL_TOKENS if role == "target" else 0,
                             base * 20 if role == "target" else None, 1000, "proxy")
@@ -149,9 +149,9 @@ def test_cached_costs_for_loaded_models_never_measure(tmp_path):
     calls = []
     assert P.cached_costs(target, draft, cache_dir=tmp_path) == (None, None)  # nothing cached, nothing measured
     P.get_profile(target, draft, cache_dir=tmp_path, measurer=_fake_measurer(calls))
-    forward, step = P.cached_costs(target, draft, cache_dir=tmp_path)
+    forward, steps = P.cached_costs(target, draft, cache_dir=tmp_path)
     assert forward == pytest.approx({n: 0.3 * (1 + 0.01 * n) for n in P.TARGET_SIZES})  # the fp32 target's curve
-    assert step == pytest.approx(0.2 * 1.01)  # the bf16 draft's step
+    assert steps == pytest.approx({rows: 0.2 * (1 + 0.01 * rows) for rows in (1, 2, 4, 8)})  # the bf16 draft's step
 
 
 def test_cache_entries_survive_only_their_own_key(tmp_path):
@@ -313,7 +313,7 @@ def test_proxies_scale_to_the_real_layer_count():
     # footprints scale exactly: embeddings + 5 layers, as the real model holds them
     assert cost.footprint_bytes == hardware.footprint_bytes(model)
     draft = P.measure_format(model.config, "draft", "dynamic-int8", repeats=1)
-    assert [n for n, _ in draft.step] == [1] and draft.prefill_s is None
+    assert [n for n, _ in draft.step] == list(P.DRAFT_SIZES) == [1, 2, 4, 8] and draft.prefill_s is None  # by rows
     quantized = hardware.quantize_dynamic_int8(tiny_model("qwen2", num_hidden_layers=5, tie_word_embeddings=True))
     assert draft.footprint_bytes == hardware.footprint_bytes(quantized)
     real = P.measure_model(model, sizes=(1, 2), repeats=1, prefill_tokens=8)
@@ -328,7 +328,7 @@ def test_8bit_is_measured_on_the_real_weights(tiny_dir):
     with pytest.raises(P.FormatUnavailable, match="real activations"):
         P.measure_format(config, "draft", "8bit")
     cost = P.measure_format(config, "draft", "8bit", weights=weights, repeats=1)
-    assert cost.method == "real" and cost.format == "8bit" and [n for n, _ in cost.step] == [1]
+    assert cost.method == "real" and cost.format == "8bit" and [n for n, _ in cost.step] == list(P.DRAFT_SIZES)
 
 
 def test_model_format_names_what_was_loaded():

@@ -59,13 +59,13 @@ def choices_record(infos: Mapping[str, Any]) -> dict[str, dict | None]:
     return record
 
 
-def _profile_costs(profile, target, draft) -> tuple[dict[int, float] | None, float | None]:
+def _profile_costs(profile, target, draft) -> tuple[dict[int, float] | None, dict[int, float] | None]:
     from ..models.profile import model_format
 
     target_format, draft_format = model_format(target), model_format(draft)
     forward = profile.target_entry(target_format).table if target_format in profile.target_formats else None
-    step = profile.draft_step(draft_format) if draft_format in profile.draft_formats else None
-    return forward, step
+    steps = profile.draft_steps(draft_format) if draft_format in profile.draft_formats else None
+    return forward, steps
 
 
 def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any]:
@@ -90,23 +90,23 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
             record["why"] = "the speculative memory already holds estimates for this draft (left as they are)"
             return record
         if profile is not None:
-            forward, step = _profile_costs(profile, target, draft)
+            forward, steps = _profile_costs(profile, target, draft)
             source = "the given hardware profile"
         else:
-            forward, step = cached_costs(target, draft, cache_dir=cache_dir)
+            forward, steps = cached_costs(target, draft, cache_dir=cache_dir)
             source = "the cached hardware profile"
     except (OSError, ValueError, KeyError, RuntimeError) as err:  # a speed hint only: say why and run unseeded
         record["why"] = f"not seeded: {type(err).__name__}: {err}"
         return record
-    if forward is None and step is None:
+    if forward is None and steps is None:
         t_fmt, d_fmt = record["target_format"], record["draft_format"]
         record["why"] = (f"not seeded: the given hardware profile has neither the target in {t_fmt} nor the draft "
                          f"in {d_fmt}" if profile is not None else
                          f"not seeded: no cached hardware profile of the target in {t_fmt} or the draft in {d_fmt} "
                          f"({PROFILE_HINT})")
         return record
-    target.speculative_memory.seed(draft, forward, step)
-    t1 = forward.get(1) if forward else None
+    target.speculative_memory.seed(draft, forward, steps)
+    t1, step = (forward.get(1) if forward else None), (steps.get(1) if steps else None)
     record.update(seeded=True, source=source, forward_sizes=sorted(forward) if forward else [], t1_s=t1,
                   draft_step_s=step, c=step / t1 if step is not None and t1 else None)
     parts = []
@@ -115,7 +115,8 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
                      if t1 else f"target t(n) in {record['target_format']} at {len(forward)} sizes")
     else:
         parts.append(f"no target t(n) in {record['target_format']} (measured while decoding)")
-    parts.append(f"draft step in {record['draft_format']} {step * 1e3:.1f} ms" if step is not None
+    rows = f" (also over {'/'.join(str(n) for n in sorted(steps)[1:])} rows)" if steps and len(steps) > 1 else ""
+    parts.append(f"draft step in {record['draft_format']} {step * 1e3:.1f} ms{rows}" if step is not None
                  else f"no draft step in {record['draft_format']} (measured while decoding)")
     if record["c"] is not None:
         parts.append(f"c = {record['c']:.2f}")

@@ -7,7 +7,11 @@ prefill outweighed its faster steps. So everything is measured, here, at first u
 
 - per target dtype (CPU: bf16, fp32; CUDA: bf16, fp16): t(n), seconds of one forward over n new tokens on top
   of a cached 100-token prefix, n in ``TARGET_SIZES``, and the prefill: one forward over a 256-token prompt;
-- per draft format (bf16 / fp16 / fp32, bitsandbytes 8-bit and 4-bit, torch dynamic int8 on CPU): t(1).
+- per draft format (bf16 / fp16 / fp32, bitsandbytes 8-bit and 4-bit, torch dynamic int8 on CPU): one draft
+  step over n rows, n in ``DRAFT_SIZES``, timed as one row of n new tokens (the same matrix products). A draft
+  step does not grow with the batch as the target's forward does: on an Intel Xeon with AMX the dynamic-int8
+  0.5B draft took 48 / 52 / 95 / 106 ms over 1 / 2 / 4 / 8 rows while the bf16 target's t(n) was flat, so
+  scaling one from the other priced a batch-of-8 draft step at half its cost.
 
 **How: proxies.** A proxy is the model's own architecture built from its config with 2 decoder layers and
 random weights, real embedding and ``lm_head`` sizes, then the same model with 1 layer (the same weights). With
@@ -30,8 +34,8 @@ in another would win. ``choose_draft_format(profile, memory_bytes=...)``: the fa
 Both return a ``Choice`` with a human-readable ``why``. Profiles can be built from given numbers
 (``HardwareProfile.from_numbers``), so the choosers are tested without measuring.
 
-For the decoding core: ``profile.target_cost(dtype) -> ForwardCost`` and ``profile.draft_step(format) ->
-float`` seed its estimates; ``cached_costs(target, draft)`` gives both for loaded models from the cache without
+For the decoding core: ``profile.target_cost(dtype) -> ForwardCost`` and ``profile.draft_steps(format) ->
+{rows: seconds}`` seed its estimates (``profile.draft_step(format)``: one row); ``cached_costs(target, draft)`` gives both for loaded models from the cache without
 measuring; ``model_format(model)`` names the format of a loaded model.
 """
 
@@ -63,6 +67,7 @@ from .hardware import (available_memory_bytes, cpu_flags, decoder_layers, dynami
 
 SCHEMA = "hf_specdec.profile/1"
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DRAFT_SIZES = (1, 2, 4, 8)  # rows of a batched draft step
 CONTEXT_TOKENS = 100
 PREFILL_TOKENS = 256
 REPEATS = 3
@@ -91,6 +96,11 @@ _IGNORED_CONFIG_KEYS = frozenset({
     "is_encoder_decoder", "quantization_config", "generation_config", "pruned_heads", "torchscript",
     "use_return_dict", "finetuning_task", "max_window_layers",
 })
+
+
+def role_sizes(role: str) -> tuple[int, ...]:
+    """The sizes a role is measured at: t(n) of a target, a draft step over n rows."""
+    return TARGET_SIZES if role == "target" else DRAFT_SIZES
 
 
 class FormatUnavailable(RuntimeError):
@@ -221,15 +231,17 @@ class ProfileKey:
     device: DeviceIdentity
     torch_version: str
     schema: str = SCHEMA
+    sizes: tuple[int, ...] = ()  # the sizes measured; () = the role's (``role_sizes``)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"ProfileKey.role={self.role!r}: use 'target' or 'draft'")
         object.__setattr__(self, "format", as_format(self.format))
+        object.__setattr__(self, "sizes", tuple(self.sizes) or role_sizes(self.role))
 
     def to_dict(self) -> dict:
         return {"schema": self.schema, "role": self.role, "format": self.format, "model": self.model,
-                "device": self.device.to_dict(), "torch": self.torch_version}
+                "device": self.device.to_dict(), "torch": self.torch_version, "sizes": list(self.sizes)}
 
     @property
     def digest(self) -> str:
@@ -251,8 +263,8 @@ def _finite_positive(name: str, value: float) -> float:
 class FormatCost:
     """What one format costs here.
 
-    ``step``: ((n, seconds), ...) ascending, t(n) over a cached prefix of ``context_tokens`` (a draft format
-    holds n = 1 only); ``prefill_tokens`` / ``prefill_s``: one forward over a prompt of that length into an
+    ``step``: ((n, seconds), ...) ascending, t(n) over a cached prefix of ``context_tokens`` (a draft format: a
+    step over n rows); ``prefill_tokens`` / ``prefill_s``: one forward over a prompt of that length into an
     empty cache (0 / None: not measured); ``footprint_bytes``: the real model's weights in this format;
     ``method``: "proxy" (scaled from 1- and 2-layer proxies), "real" (the model itself) or "given".
     """
@@ -338,18 +350,20 @@ class HardwareProfile:
     @classmethod
     def from_numbers(cls, target: Mapping[str, Mapping[int, float]] | None = None, *,
                      prefill_per_token: Mapping[str, float] | None = None,
-                     draft: Mapping[str, float] | None = None,
+                     draft: Mapping[str, float | Mapping[int, float]] | None = None,
                      footprints: Mapping[str, int] | None = None,
                      device: DeviceIdentity | None = None) -> "HardwareProfile":
         """A profile from given numbers (seconds): ``target={"bf16": {1: 0.195, 8: 0.201, ...}}``,
-        ``prefill_per_token={"bf16": 0.004}``, ``draft={"4bit": 0.046}``, ``footprints={"bf16": 988_000_000}``
-        (draft formats' weight bytes, for the memory check)."""
+        ``prefill_per_token={"bf16": 0.004}``, ``draft={"4bit": 0.046}`` (one row) or ``{"4bit": {1: 0.046, 8:
+        0.09}}`` (by rows), ``footprints={"bf16": 988_000_000}`` (draft formats' weight bytes, for the memory
+        check)."""
         prefill_per_token, footprints = dict(prefill_per_token or {}), dict(footprints or {})
         targets = tuple(
             FormatCost(fmt, table, PREFILL_TOKENS if fmt in prefill_per_token else 0,
                        prefill_per_token[fmt] * PREFILL_TOKENS if fmt in prefill_per_token else None)
             for fmt, table in (target or {}).items())
-        drafts = tuple(FormatCost(fmt, {1: seconds}, footprint_bytes=footprints.get(fmt))
+        drafts = tuple(FormatCost(fmt, seconds if isinstance(seconds, Mapping) else {1: seconds},
+                                  footprint_bytes=footprints.get(fmt))
                        for fmt, seconds in (draft or {}).items())
         return cls(device or DeviceIdentity("given", "given"), torch.__version__, targets, drafts)
 
@@ -381,8 +395,12 @@ class HardwareProfile:
         return self.target_entry(dtype).cost()
 
     def draft_step(self, fmt: str | torch.dtype) -> float:
-        """Seconds of one draft forward (one new token) in format ``fmt``."""
+        """Seconds of one draft forward (one new token, one row) in format ``fmt``."""
         return self.draft_entry(fmt).t1
+
+    def draft_steps(self, fmt: str | torch.dtype) -> dict[int, float]:
+        """Seconds of one draft step over n rows in format ``fmt``, by n (what was measured)."""
+        return self.draft_entry(fmt).table
 
     def verify_cost(self, dtype: str | torch.dtype, n: int) -> float:
         """v(n) = t(n) / t(1) in ``dtype`` (extrapolated past the largest measured n)."""
@@ -430,14 +448,9 @@ class HardwareProfile:
         lines = [f"hardware profile  {d.kind}: {d.name} ({' '.join(d.flags) or 'no relevant flags'}{threads}), "
                  f"torch {self.torch_version}"]
         if self.target:
-            sizes = sorted({n for e in self.target for n, _ in e.step})
             context = self.target[0].context_tokens
             lines.append(f"  target t(n) ms over a {context}-token cache ({self.target[0].method})")
-            lines.append("    n      " + "".join(f"{n:>8d}" for n in sizes))
-            for e in self.target:
-                table = e.table
-                lines.append(f"    {e.format:<7}" + "".join(f"{table[n] * 1e3:8.1f}" if n in table else f"{'-':>8}"
-                                                       for n in sizes))
+            lines += _ms_table("n", self.target)
             prefill = [f"{e.format} {e.prefill_s / e.prefill_tokens * 1e3:.2f} ms" for e in self.target
                        if e.prefill_s is not None]
             if prefill:
@@ -447,9 +460,23 @@ class HardwareProfile:
             lines.append("  draft t(1): " + ", ".join(
                 f"{e.format} {e.t1 * 1e3:.1f} ms" + (f" ({e.footprint_bytes / 1e9:.2f} GB)" if e.footprint_bytes else "")
                 for e in self.draft))
+            if any(len(e.step) > 1 for e in self.draft):  # what a batched draft step costs
+                lines.append("  draft step ms by rows")
+                lines += _ms_table("rows", self.draft)
         for note in self.notes:
             lines.append(f"  not measured: {note}")
         return "\n".join(lines)
+
+
+def _ms_table(label: str, entries: Sequence[FormatCost]) -> list[str]:
+    """Lines of a table of milliseconds: one column per size any entry measured, one row per format."""
+    sizes = sorted({n for e in entries for n, _ in e.step})
+    lines = [f"    {label:<7}" + "".join(f"{n:>8d}" for n in sizes)]
+    for e in entries:
+        table = e.table
+        lines.append(f"    {e.format:<7}" + "".join(f"{table[n] * 1e3:8.1f}" if n in table else f"{'-':>8}"
+                                               for n in sizes))
+    return lines
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------
@@ -626,7 +653,7 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
     and is unavailable from a config alone.
     """
     device = resolve_device(device)
-    sizes = tuple(sizes or (TARGET_SIZES if role == "target" else (1,)))
+    sizes = tuple(sizes or role_sizes(role))
     if as_format(fmt) == "8bit":
         return _measure_real_8bit(weights, role, device, sizes, repeats, context_tokens, prefill_tokens)
     layers = int(_text_config(config).num_hidden_layers)
@@ -664,7 +691,7 @@ def measure_model(model, role: str = "target", *, sizes: Sequence[int] | None = 
                   rounds: int = ROUNDS) -> FormatCost:
     """The same measurement on a loaded model itself (``method="real"``; the fastest of ``rounds`` rounds): to
     validate the proxies, for formats whose cost depends on the weights (8-bit), or for any loaded model."""
-    sizes = tuple(sizes or (TARGET_SIZES if role == "target" else (1,)))
+    sizes = tuple(sizes or role_sizes(role))
     samples = [_timings(model, role, sizes, repeats, context_tokens, prefill_tokens) for _ in range(max(1, rounds))]
     steps = {n: min(s[0][n] for s in samples) for n in sizes}
     prefill = None if samples[0][1] is None else min(s[1] for s in samples)
@@ -784,12 +811,12 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
                            fingerprints["target"], fingerprints["draft"], tuple(notes))
 
 
-def cached_costs(target, draft=None, *, cache_dir=None) -> tuple[dict[int, float] | None, float | None]:
-    """For the decoding core: the cached t(n) table of a loaded ``target`` in its format and the cached step of a
-    loaded ``draft`` in its format, on the target's device, or None for what is not cached. Never measures, so
-    it costs a few file reads at the start of a call:
+def cached_costs(target, draft=None, *, cache_dir=None) -> tuple[dict[int, float] | None, dict[int, float] | None]:
+    """For the decoding core: the cached t(n) table of a loaded ``target`` in its format and the cached draft step
+    by rows of a loaded ``draft`` in its format, on the target's device, or None for what is not cached. Never
+    measures, so it costs a few file reads at the start of a call:
 
-        forward_seconds, draft_step_seconds = cached_costs(model, draft)
+        forward_seconds, draft_step_seconds = cached_costs(model, draft)  # {n: s}, {rows: s}
         model.speculative_memory.seed(draft, forward_seconds, draft_step_seconds)
     """
     device = str(next(target.parameters()).device)
@@ -799,8 +826,8 @@ def cached_costs(target, draft=None, *, cache_dir=None) -> tuple[dict[int, float
                           target_formats=[target_format] if target_format in FORMAT_DTYPES else [],
                           draft_formats=draft_formats)
     forward = profile.target[0].table if profile.target else None
-    step = profile.draft[0].t1 if profile.draft else None
-    return forward, step
+    steps = profile.draft[0].table if profile.draft else None
+    return forward, steps
 
 
 def read_profile_file(path: str | os.PathLike) -> HardwareProfile:
