@@ -514,6 +514,7 @@ class TreePolicy:
         self.regret = Regret(config.max_regret)  # what guessing lost against plain decoding in this call
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
+        self.offered: list[bool] = []  # per row of the round planned last: did the drafter offer any candidate
 
     def acceptance(self, key: tuple[str, int]) -> DecayedAcceptance:
         return self.estimates.source(key, prior_acceptance(key), decay=self.config.acceptance_decay,
@@ -526,6 +527,7 @@ class TreePolicy:
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
         self.rows = len(views)
         self.rounds += 1
+        self.offered = [bool(offer.candidates) for offer in offers]
         if not self.estimates.forward.measured(self.rows):  # a plain step first: every other size is compared to it
             self.last_plain_round = self.rounds
             return [PLAIN] * len(views)
@@ -596,7 +598,9 @@ class TreePolicy:
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
         _observe_regret(self.regret, self.estimates, outcomes)
         by_source: dict[tuple[str, int], list[tuple[int, bool]]] = {}
-        for outcome in outcomes:
+        for outcome, offered in zip(outcomes, self.offered or [True] * len(outcomes)):
+            if offered:  # tokens per round of the rounds that had something to guess from, verified or not
+                self.estimates.ema("round_tokens").update(len(outcome.emitted))
             self._observe_row(outcome, by_source)
         for key, slots in by_source.items():
             self.acceptance(key).observe_slots(slots)
@@ -605,7 +609,6 @@ class TreePolicy:
         proposal = outcome.proposal
         if not proposal.num_tokens:
             return
-        self.estimates.ema("round_tokens").update(len(outcome.emitted))
         kept, judged = set(outcome.accepted), outcome.judged()
         for node, sources in enumerate(proposal.sources):
             if judged[node]:

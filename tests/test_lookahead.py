@@ -363,3 +363,22 @@ def test_a_call_fills_the_recycling_table_and_keeps_output_exact():
     known = (memory.successors[:, 0] >= 0).nonzero()[:, 0].tolist()
     # every emitted token but the last was the first input of a later round, whose top choices were kept
     assert set(out[0, prompt.shape[1]:-1].tolist()) <= set(known)
+
+
+def test_tokens_per_round_count_every_round_that_had_candidates_verified_or_not():
+    """The window is worth what its pool adds per token emitted; tokens per round are averaged over the rounds
+    that had candidates to guess from, including those whose plan verified none of them (as before the
+    redesign): a 1-token round there lowers the average. Rows with nothing offered are not counted."""
+    from hf_specdec.round import Proposal
+
+    policy = TreePolicy(LookaheadConfig(), Estimates())
+    views = [RowView(r, torch.arange(10), 32) for r in range(2)]
+    offers = [Offer(candidates=(Candidate((5, 6), ("history", 2)),)), Offer()]
+    assert all(plan.is_plain for plan in policy.plan(views, offers))  # t(2) unmeasured: a plain step first
+    plain = [RoundOutcome(Proposal(), (), 7, (7,), 10, 1, 0.1, row=r, rows=2) for r in range(2)]
+    policy.observe(plain)
+    assert policy.estimates.ema("round_tokens").value == 1.0
+    policy.estimates.ema("round_tokens").update(3.0)
+    policy.plan(views, [Offer(), Offer()])
+    policy.observe(plain)  # nothing was offered: the average is left as it was
+    assert policy.estimates.ema("round_tokens").value == pytest.approx(0.7 * 1.0 + 0.3 * 3.0)
