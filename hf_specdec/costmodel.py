@@ -18,6 +18,7 @@ Terms (see ``verify.py``): c = t_d / t(1); v(n) = t(n) / t(1).
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self._by_size: dict[int, Ema] = {}
+        self._curve: tuple[list[int], dict[int, float]] | None = None  # (sizes, bounded), until the next observe
 
     @classmethod
     def from_table(cls, seconds_by_size: Mapping[int, float]) -> "ForwardCost":
@@ -85,6 +87,7 @@ class ForwardCost:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._by_size.setdefault(int(num_tokens), Ema()).update(seconds)
+        self._curve = None
 
     def measured(self, num_tokens: int) -> bool:
         return int(num_tokens) in self._by_size
@@ -102,11 +105,7 @@ class ForwardCost:
         """Seconds for a forward over n new tokens; None before anything was measured."""
         if not self._by_size:
             return None
-        sizes = sorted(self._by_size)
-        bounded, running = {}, float("inf")
-        for m in reversed(sizes):
-            running = min(running, self._by_size[m].value) if m >= 2 else self._by_size[m].value
-            bounded[m] = running
+        sizes, bounded = self._bounded()
         if n <= sizes[0]:
             return bounded[sizes[0]]
         if n >= sizes[-1]:
@@ -114,11 +113,23 @@ class ForwardCost:
                 slope = (bounded[sizes[-1]] - bounded[sizes[-2]]) / (sizes[-1] - sizes[-2])
                 return round(bounded[sizes[-1]] + max(0.0, slope) * (n - sizes[-1]), 12)
             return bounded[sizes[-1]]
-        high = next(m for m in sizes if m >= n)
-        low = max(m for m in sizes if m <= n)
-        if high == low:
+        if n in bounded:
             return bounded[n]
+        high = bisect.bisect_left(sizes, n)
+        low, high = sizes[high - 1], sizes[high]
         return round(bounded[low] + (bounded[high] - bounded[low]) * (n - low) / (high - low), 12)
+
+    def _bounded(self) -> tuple[list[int], dict[int, float]]:
+        """The measured sizes, ascending, and each one's time bounded by every larger size's (sizes >= 2); kept
+        until the next ``observe`` (a round's plan reads the curve dozens of times)."""
+        if self._curve is None:
+            sizes = sorted(self._by_size)
+            bounded, running = {}, float("inf")
+            for m in reversed(sizes):
+                running = min(running, self._by_size[m].value) if m >= 2 else self._by_size[m].value
+                bounded[m] = running
+            self._curve = (sizes, bounded)
+        return self._curve
 
     def scaled(self, n: int, like: "ForwardCost") -> float | None:
         """``estimate(n)``; beyond the largest measured size m, t(m) scaled as ``like`` grows from m to n.

@@ -289,3 +289,28 @@ def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
 
     assert run(None) == (0.054, {3})  # a guess from the target's curve: 54 ms, and the read is paid
     assert run({1: 0.048, 2: 0.052, 4: 0.095, 8: 0.106}) == (0.1148, {0})
+
+
+def test_a_batch_drafts_one_k_for_every_row_without_confidence_stops_or_lookup():
+    """One row: the round may run to the cap and the in-round confidence stop decides, or a prompt-lookup
+    continuation is verified alone. A batch of 4: one k* for every row from E(k) / T(k) at the batch's costs, no
+    confidence stop, no lookup rounds or tails (the draft steps until its longest row stops and the forward is
+    padded to its widest row; one k measured faster at every B > 1)."""
+    def plans(rows, lookup):
+        policy = AdaptivePolicy(SpecConfig())  # confidence_stop and history_lookup on (the defaults)
+        for n, seconds in {1: 0.2, 2: 0.2, 4: 0.2, 8: 0.2, 12: 0.21, 16: 0.22, 20: 0.23, 24: 0.24, 32: 0.3,
+                           64: 0.6}.items():
+            policy.estimates.forward.observe(n, seconds)
+        policy.estimates.draft_step.observe(rows, 0.02)
+        policy.draft.observe_slots([(i, i < 6) for i in range(1, 7)] * 20)  # 5 tokens kept, the 6th not
+        policy.lookup.observe_slots([(i, True) for i in range(1, 5)] * 40)  # lookup continuations kept
+        candidates = (Candidate((5, 6, 7, 8), ("lookup", 0)),) if lookup else ()
+        views = [RowView(r, torch.arange(32), 64) for r in range(rows)]
+        return policy.plan(views, [Offer(model_tokens=64, candidates=candidates)] * rows)
+
+    (one,) = plans(1, lookup=False)
+    assert one.model_tokens == SpecConfig().max_draft_tokens and one.rule.confidence_stop
+    assert plans(1, lookup=True)[0].candidates  # lookup alone beats drafting here
+    batch = plans(4, lookup=True)
+    assert {p.model_tokens for p in batch} == {5} and not any(p.candidates for p in batch)
+    assert not any(p.rule.confidence_stop or p.rule.lookup_rates for p in batch)

@@ -35,8 +35,9 @@ Both return a ``Choice`` with a human-readable ``why``. Profiles can be built fr
 (``HardwareProfile.from_numbers``), so the choosers are tested without measuring.
 
 For the decoding core: ``profile.target_cost(dtype) -> ForwardCost`` and ``profile.draft_steps(format) ->
-{rows: seconds}`` seed its estimates (``profile.draft_step(format)``: one row); ``cached_costs(target, draft)`` gives both for loaded models from the cache without
-measuring; ``model_format(model)`` names the format of a loaded model.
+{rows: seconds}`` seed its estimates (``profile.draft_step(format)``: one row); ``cached_costs(target, draft)``
+gives both for loaded models from the cache without measuring; ``model_format(model)`` names the format of a
+loaded model.
 """
 
 from __future__ import annotations
