@@ -61,21 +61,26 @@ class SpecConfig(_FromDict):
         Upper bound on k for every policy (adaptive rounds reach it only while the draft stays confident).
     confidence_stop:
         Adaptive only: stop drafting inside a round when the draft's confidence says the next token is not
-        worth its cost (see ``policy.py``).
+        worth its cost (see ``policy.py``). One prompt at a time: a batch drafts one k for all its rows.
     probe_interval:
         Adaptive only: while speculation is off, draft again after this many plain rounds to re-measure; after
         each probe that does not turn it back on, the interval doubles (up to 1024 rounds).
     max_regret:
         Adaptive only: the most time probing may lose against plain decoding, as a share of the time plain
         decoding would have taken for the tokens emitted so far (a probe that would go past it waits).
+    setup_margin:
+        Adaptive only: the draft model reads the prompts (its prefill, which cannot be undone) only when
+        drafting the tokens left is expected to save this many times what the read costs: the read is certain,
+        the saving an estimate. At 1.0 a break-even bet is taken (measured: a batch of 8 that read its draft's
+        prompts for an expected saving about that size ran at 0.92x plain).
     decay:
         Adaptive only: weight kept by old observations per round (exponential forgetting), in (0, 1].
     history_lookup:
         Prompt lookup beside the draft model: the continuation that followed the same tokens earlier in the
         prompt or the output. The adaptive policy appends as many such tokens after the draft model's as its
         expected-rate rule says pay for their measured extra verify time, and verifies a continuation alone (no
-        draft forward) when that beats drafting; fixed and heuristic policies never use it. Verification keeps
-        output exact.
+        draft forward) when that beats drafting; fixed and heuristic policies never use it, nor does a batch.
+        Verification keeps output exact.
     draft_vocab_size:
         Compute the draft's output layer over only this many token ids (the first ids of a BPE vocabulary are
         its most frequent tokens), plus every prompt token and the special tokens. On a memory-bound CPU the
@@ -90,6 +95,7 @@ class SpecConfig(_FromDict):
     confidence_stop: bool = True
     probe_interval: int = 16
     max_regret: float = 0.03
+    setup_margin: float = 2.0
     decay: float = 0.95
     history_lookup: bool = True
     draft_vocab_size: Union[int, Auto, None] = "auto"
@@ -104,6 +110,7 @@ class SpecConfig(_FromDict):
             _fail(name, "confidence_stop", self.confidence_stop, "use True or False")
         _check_int(name, "probe_interval", self.probe_interval, 1)
         _check_float(name, "max_regret", self.max_regret, 0.0, 1.0)
+        _check_float(name, "setup_margin", self.setup_margin, 1.0, 100.0)
         _check_float(name, "decay", self.decay, 0.5, 1.0)
         if not isinstance(self.history_lookup, bool):
             _fail(name, "history_lookup", self.history_lookup, "use True or False")

@@ -290,22 +290,22 @@ class AdaptivePolicy:
         return 0.0 if per_token is None else per_token * self.setup_tokens
 
     def _repays_setup(self, k: int, gains: Sequence[float], remaining: int) -> bool:
-        """Does drafting k a round for the ``remaining`` tokens save more than the draft's prompt read costs?
-        Saved: remaining x (t(1) - T(k) / E[tokens a round]), every row advancing together.
+        """Does drafting k a round for the ``remaining`` tokens save ``setup_margin`` times what the draft's prompt
+        read costs? Saved: remaining x (t(1) - T(k) / E[tokens a round]), every row advancing together.
 
-        >>> policy = AdaptivePolicy(SpecConfig())
+        >>> policy = AdaptivePolicy(SpecConfig())  # setup_margin=2.0
         >>> policy.estimates.forward.observe(1, 0.10); policy.estimates.forward.observe(4, 0.12)
         >>> policy.estimates.draft_step.observe(1, 0.02); policy.estimates.draft_setup.update(0.01)
         >>> policy.setup_tokens = 200  # 2 s to read the prompt; a round of 3 saves 0.1 - 0.18 / 2.5 = 0.028 s a token
-        >>> policy._repays_setup(3, [0.6, 0.5, 0.4], remaining=64), policy._repays_setup(3, [0.6, 0.5, 0.4], 128)
-        (False, True)
+        >>> [policy._repays_setup(3, [0.6, 0.5, 0.4], remaining) for remaining in (64, 128, 256)]
+        [False, False, True]
         """
         setup = self._setup_seconds()
         if setup == 0.0:
             return True
         # the read cannot be undone: T(k) past the largest forward measured continues its slope (not flat)
         saved_per_token = self._t(1) - self._draft_round_seconds(k, extrapolate=True) / (1 + sum(gains[:k]))
-        return remaining * saved_per_token > setup
+        return remaining * saved_per_token > self.config.setup_margin * setup
 
     def _draft_length(self, budget: int, remaining: int) -> int:
         """The most draft-model tokens this round: 0 (a plain step) while t(1) or the draft's worth is unknown

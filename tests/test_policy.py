@@ -250,8 +250,8 @@ def test_the_draft_prompt_read_is_learned_per_token():
 def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size():
     """A batch of 8 after calls of 4 rows: the draft step measured at 4 rows (0.05 s) costs what the target's
     steps say a batch twice as large costs, t(8) / t(4) = 2 times as much. Priced at 0.05 s, drafting k = 7
-    would seem to repay the draft's 5 s prompt read within 64 tokens; priced at 0.1 s it does not (plain
-    steps), and within 128 tokens it does."""
+    would seem to repay the draft's 5 s prompt read twice over (``setup_margin``) within 128 tokens; priced at
+    0.1 s it does not (plain steps), and within 256 tokens it does."""
     def run(remaining):
         policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
         for n, seconds in {4: 0.10, 8: 0.20, 16: 0.22, 32: 0.25}.items():
@@ -264,14 +264,14 @@ def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size()
         assert policy._t_draft() == 0.1
         return {p.model_tokens for p in plans}
 
-    assert run(64) == {0}
-    assert run(128) == {7}
+    assert run(128) == {0}
+    assert run(256) == {7}
 
 
 def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
     """The draft step was measured over 1 row only (52 ms); the target's t(n) is flat from 1 to 64 inputs (bf16
     with AMX), so scaled like the target a step over 8 rows would cost about as much as over 1, and drafting
-    k = 3 at B = 8 would seem to repay the 5 s prompt read within 96 tokens. The hardware profile measured the
+    k = 3 at B = 8 would seem to repay the 5 s prompt read twice over (``setup_margin``) within 160 tokens. The hardware profile measured the
     draft step by rows (48 / 52 / 95 / 106 ms over 1 / 2 / 4 / 8 rows, a dynamic-int8 0.5B draft on an Intel Xeon
     with AMX): priced at 0.115 s over 8 rows, drafting does not repay the read (plain steps)."""
     def run(draft_rows):
@@ -283,8 +283,8 @@ def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
             policy.estimates.draft_rows = ForwardCost.from_table(draft_rows)
         policy.estimates.draft_setup.update(0.01)  # 8 rows x 63 tokens: 5.04 s
         policy.draft.observe_slots([(i, i < 4) for i in range(1, 5)] * 20)
-        views = [RowView(r, torch.arange(64), 96) for r in range(8)]
-        plans = policy.plan(views, [Offer(model_tokens=96, setup_tokens=63)] * 8)
+        views = [RowView(r, torch.arange(64), 160) for r in range(8)]
+        plans = policy.plan(views, [Offer(model_tokens=160, setup_tokens=63)] * 8)
         return round(policy._t_draft(), 4), {p.model_tokens for p in plans}
 
     assert run(None) == (0.054, {3})  # a guess from the target's curve: 54 ms, and the read is paid
