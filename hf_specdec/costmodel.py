@@ -255,6 +255,11 @@ class Regret:
     that may lose ``cost`` seconds keeps the total loss within ``budget`` (a share) of the plain-decoding time of
     everything emitted so far. Speculation that pays earns credit; one that does not is capped at the budget.
 
+    The account is carried across calls with the estimates (a memory's): each call ``start``s with its budget
+    and half of the earlier calls' account, so recent calls count most. A call after calls where guessing paid
+    can afford its first misses (its early guesses, before its own text repeats, miss most); after calls where
+    it did not, a call starts at the budget and does not explore again from nothing.
+
     >>> regret = Regret(budget=0.03)
     >>> regret.observe(round_seconds=0.3, emitted=1, step=0.2, guessed=True)  # a probe that lost 0.1 s
     >>> regret.observe(round_seconds=0.2, emitted=1, step=0.2, guessed=False)
@@ -263,12 +268,19 @@ class Regret:
     >>> for _ in range(100): regret.observe(0.2, 1, 0.2, guessed=False)  # 20 s of plain steps later
     >>> regret.allows(0.05)
     True
+    >>> regret.observe(round_seconds=0.2, emitted=4, step=0.2, guessed=True)  # a round that paid 0.6 s
+    >>> regret.start(budget=0.03); round(regret.lost, 3), round(regret.plain_seconds, 3)  # the next call
+    (-0.25, 10.6)
     """
 
     __slots__ = ("budget", "lost", "plain_seconds")
 
     def __init__(self, budget: float = 0.03) -> None:
         self.budget, self.lost, self.plain_seconds = budget, 0.0, 0.0
+
+    def start(self, budget: float) -> None:
+        """A new call with this budget: the earlier calls' account counts half."""
+        self.budget, self.lost, self.plain_seconds = budget, 0.5 * self.lost, 0.5 * self.plain_seconds
 
     def observe(self, round_seconds: float, emitted: int, step: float, guessed: bool) -> None:
         self.plain_seconds += emitted * step
@@ -287,7 +299,8 @@ class Estimates:
     new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4), measured while decoding;
     ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
     size not measured yet (empty: the target's t(n) scales it); ``draft_setup``: seconds
-    per token the draft model reads before it first drafts (its prompt prefill, padding included); ``acceptance``: one
+    per token the draft model reads before it first drafts (its prompt prefill, padding included); ``regret``: what
+guessing lost against plain decoding (``Regret``, carried across calls with the rest); ``acceptance``: one
     ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
     its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
     (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.
@@ -297,6 +310,7 @@ class Estimates:
     draft_step: ForwardCost = field(default_factory=ForwardCost)
     draft_rows: ForwardCost = field(default_factory=ForwardCost)
     draft_setup: Ema = field(default_factory=Ema)
+    regret: Regret = field(default_factory=Regret)
     acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
     emas: dict[str, Ema] = field(default_factory=dict)
 

@@ -207,7 +207,8 @@ class AdaptivePolicy:
         self.calibration = self.estimates.source(("confidence", 0), prior=0.0, decay=config.decay,
                                                  slots=self.NUM_BINS)
         self.plain_rounds_in_a_row = 0
-        self.regret = Regret(config.max_regret)  # what guessing lost against plain decoding in this call
+        self.regret = self.estimates.regret  # what guessing lost against plain decoding (earlier calls' at half)
+        self.regret.start(config.max_regret)
         self.probe_interval = config.probe_interval  # doubles after each probe that did not pay
         self.probed = False  # the last drafting round was a probe
         self.setup_tokens = 0  # tokens the draft reads before the round planned last (its prompts), to learn from
@@ -528,7 +529,8 @@ class TreePolicy:
         self.config = config
         self.estimates = estimates
         self.rows = 1  # rows in the batch this round
-        self.regret = Regret(config.max_regret)  # what guessing lost against plain decoding in this call
+        self.regret = self.estimates.regret  # what guessing lost against plain decoding (earlier calls' at half)
+        self.regret.start(config.max_regret)
         self.rounds = 0
         self.last_plain_round = 0  # the round that last measured t(1)
         self.offered: list[bool] = []  # per row of the round planned last: did the drafter offer any candidate

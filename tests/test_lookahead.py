@@ -382,3 +382,25 @@ def test_tokens_per_round_count_every_round_that_had_candidates_verified_or_not(
     policy.plan(views, [Offer(), Offer()])
     policy.observe(plain)  # nothing was offered: the average is left as it was
     assert policy.estimates.ema("round_tokens").value == pytest.approx(0.7 * 1.0 + 0.3 * 3.0)
+
+
+def test_the_regret_account_is_carried_to_the_next_call_at_half():
+    """A call's first guesses miss most (its own text has not repeated yet). Fresh, the account stops guessing
+    at the first miss (it lost 0.02 s against a budget of 3% of one step). After earlier calls where guessing
+    paid (4 s of credit over 20 s of plain time, half of it carried), the miss is covered and guessing goes on;
+    after earlier calls that lost their whole budget, the call starts at its budget and plans plain steps."""
+    def after_a_miss(earlier_lost, earlier_plain):
+        estimates = Estimates()
+        estimates.forward.observe(1, 0.2)
+        estimates.forward.observe(8, 0.21)
+        estimates.regret.lost, estimates.regret.plain_seconds = earlier_lost, earlier_plain
+        policy = TreePolicy(LookaheadConfig(), estimates)  # a new call: start(max_regret=0.03)
+        views = [RowView(0, torch.arange(10), 64)]
+        offers = [Offer(candidates=(Candidate((5, 6, 7), ("history", 3)),))]
+        assert not policy.plan(views, offers)[0].is_plain  # the first round guesses
+        policy.regret.observe(round_seconds=0.22, emitted=1, step=0.2, guessed=True)  # and misses
+        return policy.plan(views, offers)[0].is_plain
+
+    assert after_a_miss(0.0, 0.0)  # a call on its own: plain steps from the first miss
+    assert not after_a_miss(-4.0, 20.0)  # earlier calls paid: the miss is covered
+    assert after_a_miss(0.6, 20.0)  # earlier calls lost their budget: no new exploration
