@@ -300,7 +300,7 @@ class Estimates:
     ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
     size not measured yet (empty: the target's t(n) scales it); ``draft_setup``: seconds
     per token the draft model reads before it first drafts (its prompt prefill, padding included); ``regret``: what
-guessing lost against plain decoding (``Regret``, carried across calls with the rest); ``acceptance``: one
+lookahead's guesses lost against plain decoding (``Regret``, carried across calls with the rest); ``acceptance``: one
     ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
     its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
     (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.

@@ -207,8 +207,9 @@ class AdaptivePolicy:
         self.calibration = self.estimates.source(("confidence", 0), prior=0.0, decay=config.decay,
                                                  slots=self.NUM_BINS)
         self.plain_rounds_in_a_row = 0
-        self.regret = self.estimates.regret  # what guessing lost against plain decoding (earlier calls' at half)
-        self.regret.start(config.max_regret)
+        # what probing lost against plain decoding in this call: a probe pays the draft's prompt read, and credit
+        # earned at other batch sizes or prompts says nothing of that bet (carried, it paid a read at B = 8)
+        self.regret = Regret(config.max_regret)
         self.probe_interval = config.probe_interval  # doubles after each probe that did not pay
         self.probed = False  # the last drafting round was a probe
         self.setup_tokens = 0  # tokens the draft reads before the round planned last (its prompts), to learn from

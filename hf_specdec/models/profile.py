@@ -472,11 +472,12 @@ class HardwareProfile:
 def _ms_table(label: str, entries: Sequence[FormatCost]) -> list[str]:
     """Lines of a table of milliseconds: one column per size any entry measured, one row per format."""
     sizes = sorted({n for e in entries for n, _ in e.step})
-    lines = [f"    {label:<7}" + "".join(f"{n:>8d}" for n in sizes)]
+    width = max(7, *(len(e.format) + 1 for e in entries))
+    lines = [f"    {label:<{width}}" + "".join(f"{n:>8d}" for n in sizes)]
     for e in entries:
         table = e.table
-        lines.append(f"    {e.format:<7}" + "".join(f"{table[n] * 1e3:8.1f}" if n in table else f"{'-':>8}"
-                                               for n in sizes))
+        lines.append(f"    {e.format:<{width}}" + "".join(f"{table[n] * 1e3:8.1f}" if n in table else f"{'-':>8}"
+                                                   for n in sizes))
     return lines
 
 
