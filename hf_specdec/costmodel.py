@@ -187,11 +187,13 @@ class DecayedAcceptance:
         """One candidate: positions 1..judged were judged, 1..accepted kept."""
         self.observe_slots([(i, i <= accepted) for i in range(1, judged + 1)])
 
-    def observe_slots(self, outcomes: Sequence[tuple[int, bool]]) -> None:
-        """Decay once, then add one (slot, kept) observation each."""
+    def observe_slots(self, outcomes: Sequence[tuple[int, bool]], decays: int = 1) -> None:
+        """Decay ``decays`` times (once per round, or once per candidate judged), then add one (slot, kept)
+        observation each."""
         if self.decay != 1.0:
-            self.judged = [x * self.decay for x in self.judged]
-            self.kept = [x * self.decay for x in self.kept]
+            factor = self.decay ** decays
+            self.judged = [x * factor for x in self.judged]
+            self.kept = [x * factor for x in self.kept]
         last = len(self.judged)
         for slot, kept in outcomes:
             i = min(slot, last) - 1

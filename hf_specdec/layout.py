@@ -37,7 +37,8 @@ from .round import Candidate, ExtraInputs, Proposal, Source
 def merge_candidates(candidates: Sequence[Candidate], max_nodes: int, **fields) -> Proposal:
     """Merge ``candidates`` (in priority order) into a trie proposal of at most ``max_nodes`` nodes.
 
-    A node shared by several candidates is one input, and records every source that offered it (at its depth);
+    A node shared by several candidates is one input, and records the source of every candidate that offered it
+    (at its depth; two candidates of one source, two entries: each is judged, as before the redesign);
     a candidate that does not fit is truncated, so the budget goes to the highest-priority candidates first.
     ``fields`` go to the ``Proposal`` (draft time, extra inputs, ...).
 
@@ -64,9 +65,7 @@ def merge_candidates(candidates: Sequence[Candidate], max_nodes: int, **fields) 
                 parents.append(node)
                 sources.append([])
             node = children[key]
-            source = Source(candidate.source[0], candidate.source[1], depth)
-            if source not in sources[node]:
-                sources[node].append(source)
+            sources[node].append(Source(candidate.source[0], candidate.source[1], depth))  # once per candidate
     return Proposal(tokens=tuple(tokens), parents=tuple(parents), sources=tuple(tuple(s) for s in sources),
                     **fields)
 

@@ -622,8 +622,8 @@ class TreePolicy:
             if offered:  # tokens per round of the rounds that had something to guess from, verified or not
                 self.estimates.ema("round_tokens").update(len(outcome.emitted))
             self._observe_row(outcome, by_source)
-        for key, slots in by_source.items():
-            self.acceptance(key).observe_slots(slots)
+        for key, slots in by_source.items():  # counts fade once per candidate judged (one first token each)
+            self.acceptance(key).observe_slots(slots, decays=max(1, sum(position == 1 for position, _ in slots)))
 
     def _observe_row(self, outcome: RoundOutcome, by_source: dict) -> None:
         proposal = outcome.proposal

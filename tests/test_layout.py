@@ -17,7 +17,7 @@ def test_trie_merges_shared_prefixes_and_respects_the_node_budget():
     trie = trie_of([5, 6], [5, 7], [8], [9, 9, 9], max_nodes=5)
     assert (trie.tokens, trie.parents, trie.depths) == ((5, 6, 7, 8, 9), (-1, 0, 0, -1, -1), (1, 2, 2, 1, 1))
     assert trie.path(2) == [0, 2]
-    assert trie.sources[0] == (Source("pool", 0, 1),)  # one source offered it twice: recorded once
+    assert trie.sources[0] == (Source("pool", 0, 1),) * 2  # two candidates of one source: each is judged
     assert trie_of([1, 2, 3], [1, 2, 3]).tokens == (1, 2, 3)  # duplicates cost nothing
     assert trie_of([1, 2, 3], max_nodes=0).num_tokens == 0
 

@@ -404,3 +404,21 @@ def test_the_regret_account_is_carried_to_the_next_call_at_half():
     assert after_a_miss(0.0, 0.0)  # a call on its own: plain steps from the first miss
     assert not after_a_miss(-4.0, 20.0)  # earlier calls paid: the miss is covered
     assert after_a_miss(0.6, 20.0)  # earlier calls lost their budget: no new exploration
+
+
+def test_each_candidate_of_a_source_is_judged_and_fades_its_counts_once():
+    """Two pool n-grams [5, 6] and [5, 7] share their first node; the target keeps 5, 6. Each candidate is
+    judged (as before the redesign): the pool's first slot counts two kept tokens, its second one kept and one
+    missed, and the counts fade once per candidate judged (twice a round here)."""
+    from hf_specdec.layout import merge_candidates
+
+    policy = TreePolicy(LookaheadConfig(), Estimates())
+    proposal = merge_candidates([Candidate((5, 6), ("pool", 0)), Candidate((5, 7), ("pool", 0))], max_nodes=8)
+    outcome = RoundOutcome(proposal, accepted=(0, 1), next_token=9, emitted=(5, 6, 9), start_length=10,
+                           forward_tokens=4, verify_time=0.1)
+    policy.observe([outcome])
+    pool = policy.acceptance(("pool", 0))
+    assert (pool.judged[:2], pool.kept[:2]) == ([2.0, 2.0], [2.0, 1.0])
+    policy.observe([outcome])
+    decay = LookaheadConfig().acceptance_decay
+    assert pool.judged[0] == pytest.approx(2.0 * decay ** 2 + 2.0)
