@@ -143,7 +143,7 @@ class ForwardCost:
         (0.023333333333, 0.06, 0.045, 0.03)
         """
         m = self.largest
-        if m == 0 or n <= m or like.largest < n or not like.largest:
+        if m == 0 or n <= m or like.largest < n:
             return self.estimate(n)
         return round(self.estimate(m) * like.estimate(n) / like.estimate(m), 12)
 
@@ -301,8 +301,9 @@ class Estimates:
     new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4), measured while decoding;
     ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
     size not measured yet (empty: the target's t(n) scales it); ``draft_setup``: seconds
-    per token the draft model reads before it first drafts (its prompt prefill, padding included); ``regret``: what
-lookahead's guesses lost against plain decoding (``Regret``, carried across calls with the rest); ``acceptance``: one
+    per token the draft model reads before it first drafts (its prompt prefill, padding included); ``regret``:
+    what lookahead's guesses lost against plain decoding (``Regret``, carried across calls with the rest);
+    ``acceptance``: one
     ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
     its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
     (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.

@@ -237,14 +237,13 @@ class AdaptivePolicy:
                  if (t := self._draft_round_seconds(k)) is not None]
         return max(rates, default=0.0)
 
-    def _prefer_lookup(self, num_lookup: int, best_draft_rate: float) -> bool:
+    def _prefer_lookup(self, num_lookup: int) -> bool:
         """Is a round of ``num_lookup`` prompt-lookup tokens alone (no draft forward) worth more per second than
-        the best draft round (``best_draft_rate``, tokens per second)? (Copying the input, as in edits, the draft
-        is not needed.)"""
+        the best draft round? (Copying the input, as in edits, the draft is not needed.)"""
         t_v = self._t(num_lookup + 1, extrapolate=True)
         if t_v is None:
             return False
-        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > best_draft_rate
+        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate()
 
     def rule(self) -> AdaptiveChainRule:
         longest = self.max_k + 2 + self.MAX_LOOKUP
@@ -271,13 +270,11 @@ class AdaptivePolicy:
             return [PLAIN] * len(views)
         if self._t_draft() is None:  # t_d unknown: draft the starting k once, measure it
             return [RoundPlan(model_tokens=min(k, r), max_tokens=r) for r in room]
-        rule, plans, best_draft_rate = self.rule(), [], None
+        rule, plans = self.rule(), []
         for view, offer in zip(views, offers):
             leading = next((c for c in offer.candidates if c.source == ("lookup", 0)), None)
-            if self._lookup() and leading is not None and best_draft_rate is None:
-                best_draft_rate = self._best_draft_rate()  # the same for every row: once a round
             if (self._lookup() and leading is not None
-                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]), best_draft_rate)):
+                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]))):
                 plans.append(RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
                                        max_tokens=view.budget))
             else:
