@@ -2,6 +2,7 @@
 
     python bench/lookahead_before_after.py --old 585b495 --limit 12 --new-tokens 128   # HumanEval/0-11
     python bench/lookahead_before_after.py --old 585b495 --tiny                         # smoke run, tiny model
+    python bench/lookahead_before_after.py --modes old,old_again --limit 24            # the noise: old against old
 
 A script, not a test (issue 13: "same speed within noise" before and after the redesign). The old commit's
 package is exported with ``git archive`` into a temporary folder and imported as ``hf_specdec_old`` (its own
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=12, help="HumanEval/0..N-1")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--tiny", action="store_true", help="the offline tiny pair's target (a smoke run)")
+    parser.add_argument("--modes", default="plain,old,new",
+                        help="of plain, old, new, old_again (the old commit again, with a memory of its own: "
+                             "how far two runs of the same code differ)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="hf_specdec_old_") as tmp:
@@ -82,14 +86,14 @@ def main(argv=None) -> int:
         model.register_forward_pre_hook(count, with_kwargs=True)
         plain = type(model).generate
         common = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        memories = {"old": old.LookaheadMemory(), "new": hf_specdec.LookaheadMemory()}
-        modes = {
-            "plain": lambda ids: plain(model, ids, **common),
-            "old": lambda ids: plain(model, ids, custom_generate=old.lookahead_generate,
-                                     lookahead_memory=memories["old"], **common),
-            "new": lambda ids: plain(model, ids, custom_generate=hf_specdec.lookahead_generate,
-                                     lookahead_memory=memories["new"], **common),
-        }
+        packages = {"old": old, "new": hf_specdec, "old_again": old}
+
+        def lookahead(package, memory):
+            return lambda ids: plain(model, ids, custom_generate=package.lookahead_generate,
+                                     lookahead_memory=memory, **common)
+
+        modes = {mode: (lambda ids: plain(model, ids, **common)) if mode == "plain" else
+                 lookahead(packages[mode], packages[mode].LookaheadMemory()) for mode in args.modes.split(",")}
         warm = tokenizer("def f(x):\n", return_tensors="pt").input_ids
         with torch.inference_mode():
             for run in modes.values():
@@ -99,7 +103,8 @@ def main(argv=None) -> int:
         for i, text in enumerate(texts):
             ids = tokenizer(text, return_tensors="pt").input_ids
             outs = {}
-            for mode in list(modes)[i % 3:] + list(modes)[: i % 3]:
+            order = list(modes)
+            for mode in order[i % len(order):] + order[: i % len(order)]:
                 counts.update(forwards=0, inputs=0, plain=0)
                 with torch.inference_mode():
                     start = time.perf_counter()
@@ -113,17 +118,19 @@ def main(argv=None) -> int:
                 total["inputs"] += counts["inputs"] - ids.shape[1]
                 total["plain"] += counts["plain"]
             for mode in modes:
-                totals[mode]["equal"] += outs[mode] == outs["plain"]
+                totals[mode]["equal"] += outs[mode] == outs.get("plain", outs[mode])
             print(f"prompt {i}: " + ", ".join(f"{m} {len(o)} tokens" for m, o in outs.items()), file=sys.stderr)
     rate = {mode: t["tokens"] / t["seconds"] for mode, t in totals.items()}
     report = {
         "old": args.old, "prompts": len(texts), "new_tokens": args.new_tokens,
         "tokens_per_s": {mode: round(r, 2) for mode, r in rate.items()},
-        "new_vs_old": round(rate["new"] / rate["old"], 3),
+        **{f"{mode}_vs_old": round(rate[mode] / rate["old"], 3) for mode in ("new", "old_again")
+           if mode in rate and "old" in rate},
         "per_mode": {mode: {"forwards": t["forwards"], "plain_forwards": t["plain"],
                             "tokens_per_forward": round(t["tokens"] / max(1, t["forwards"]), 2),
                             "inputs_per_forward": round(t["inputs"] / max(1, t["forwards"]), 1),
-                            "equal_to_plain": f"{t['equal']}/{len(texts)}"} for mode, t in totals.items()},
+                            **({"equal_to_plain": f"{t['equal']}/{len(texts)}"} if "plain" in modes else {})}
+                     for mode, t in totals.items()},
         "torch": torch.__version__,
     }
     print(json.dumps(report, indent=1))

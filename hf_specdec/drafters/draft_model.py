@@ -32,6 +32,7 @@ from transformers import LogitsProcessorList
 from .. import cache as kv
 from ..layout import RoundLayout, stack_layouts
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
+from ..verify import greedy_choice
 
 
 class SubVocabHead:
@@ -156,7 +157,7 @@ class DraftModelDrafter:
                 scores = self.logits_processor(ids[r][None], logits[r: r + 1]) if self.logits_processor else \
                     logits[r: r + 1]
                 draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
-                token = torch.multinomial(draft_probs, 1)[0] if self.do_sample else scores.argmax(dim=-1)  # [1]
+                token = torch.multinomial(draft_probs, 1)[0] if self.do_sample else greedy_choice(scores)  # [1]
                 if drafting[r]:
                     tokens[r].append(int(token))
                     confidences[r].append(float(draft_probs[0, token]))
