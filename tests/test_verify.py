@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from hf_specdec.verify import Verdict, chain, verify_tree_greedy, verify_tree_sampled
+from hf_specdec.verify import Verdict, chain, greedy_choice, verify_tree_greedy, verify_tree_sampled
 
 V = 10
 
@@ -208,3 +208,13 @@ def test_deterministic_trie_is_lossless():
         verdict = verify_tree_sampled([1, 2, 3], [-1, -1, 0], None, target_probs, torch.rand(3, generator=generator))
         counts[[1, 2, 3][verdict.accepted[0]] if verdict.accepted else verdict.next_token] += 1
     assert _total_variation(counts, target_probs[0]) < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_choice_is_argmax_with_its_first_maximum_on_ties(dtype):
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 4, (3, 5, 1000), generator=generator).to(dtype)  # many ties: values 0..3
+    scores[0, 0, 10] = scores[0, 0, 20] = 9  # a tie for the maximum: the first one wins, as argmax picks it
+    assert torch.equal(greedy_choice(scores), scores.argmax(dim=-1))
+    assert int(greedy_choice(scores)[0, 0]) == 10
+    assert greedy_choice(scores).dtype == torch.long and greedy_choice(scores).shape == (3, 5)
