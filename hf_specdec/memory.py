@@ -81,6 +81,14 @@ class LookaheadMemory:
         self.estimates = Estimates()
         self.successors: torch.Tensor | None = None  # [V, K] the target's top choices after each token, -1 unknown
 
+    def seed(self, forward_seconds: Mapping[int, float] | None) -> None:
+        """Start the target's t(n) from measured costs (a hardware profile: ``{n: seconds}``) while nothing has
+        been measured yet, so the first call prices every size from the start instead of trying sizes it has
+        not measured (on a CPU without bf16 units a 2-token forward costs 1.8 plain steps). Online measurements
+        then refine them; text and acceptance are not touched."""
+        if forward_seconds and not self.estimates.forward.largest:
+            self.estimates.forward = ForwardCost.from_table(forward_seconds)
+
     def recycle(self, inputs: torch.LongTensor, top_next: torch.LongTensor) -> None:
         """Keep the target's newest top choices ``top_next`` [R, K] after each of the tokens ``inputs`` [R].
 

@@ -287,6 +287,25 @@ def test_memory_makes_a_repeated_request_cheap_and_keeps_output_exact():
     assert second_stats.rounds < first_stats.rounds / 2, (first_stats.rounds, second_stats.rounds)
 
 
+def test_a_memory_seeded_with_a_steep_forward_cost_never_guesses():
+    """The hardware profile's t(n) seeds a cold memory (``LookaheadMemory.seed``): where a forward of n inputs
+    costs n plain steps (worse than a CPU without bf16 units), no round is worth a guess and none is tried;
+    the same call unseeded explores sizes it has not measured and guesses."""
+    model = tiny_model("qwen2")
+    expected = plain(model, REPETITIVE)
+    steep = LookaheadMemory()
+    steep.seed({n: 0.5 * n for n in (1, 2, 4, 8, 16, 32, 64)})
+    assert steep.estimates.forward.estimate(8) == 4.0
+    assert torch.equal(lookahead(model, REPETITIVE, LookaheadConfig(), lookahead_memory=steep), expected)
+    assert model.last_spec_stats.drafted == 0 and model.last_spec_stats.rounds == NEW  # prefill + 39 plain steps
+    assert torch.equal(lookahead(model, REPETITIVE, LookaheadConfig(), lookahead_memory=LookaheadMemory()), expected)
+    assert model.last_spec_stats.drafted > 0
+    measured = LookaheadMemory()
+    measured.estimates.forward.observe(1, 0.01)
+    measured.seed({1: 0.5})  # a memory that measured something keeps it
+    assert measured.estimates.forward.estimate(1) == 0.01
+
+
 def test_memory_from_another_request_keeps_output_exact():
     model = tiny_model("llama")
     memory = LookaheadMemory()

@@ -383,6 +383,12 @@ def test_harness_seeds_the_speculative_memory_from_a_given_profile(tmp_path):
                              "(t(1) 200.0 ms), draft step in fp32 50.0 ms, c = 0.25")
     estimates = target.speculative_memory.estimates(draft)
     assert estimates.forward.estimate(8) == pytest.approx(0.25) and estimates.draft_step.estimate(1) == pytest.approx(0.05)
+    # lookahead's memories start from the same t(n): the model's own, the harness's warm one and every cold one
+    assert record["forward_seconds"] == {1: 0.2, 2: 0.21, 4: 0.22, 8: 0.25}
+    assert target.lookahead_memory.estimates.forward.estimate(4) == pytest.approx(0.22)
+    cold, other_cold = harness.cold_memory(), harness.cold_memory()
+    assert cold is not other_cold and cold is not harness.memory and not cold.corpus.tokens
+    assert cold.estimates.forward.estimate(8) == harness.memory.estimates.forward.estimate(8) == pytest.approx(0.25)
     again = seed_memory(target, draft, profile=given)  # what the memory learned is never overwritten
     assert not again["seeded"] and "already holds estimates" in again["why"]
     other = tiny_model("qwen2", seed=2).eval()

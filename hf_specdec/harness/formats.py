@@ -8,7 +8,8 @@ given. ``choices_record`` is the same for a report (JSON-ready).
 ``seed_memory(target, draft)`` enables hf_specdec on the target and starts ``target.speculative_memory`` for
 this draft from the hardware profile: the target's t(n) in its loaded format and the draft's step in its
 format, so the first speculative call is sized from the start instead of measuring a plain step and probing a
-first draft length. The costs come from a given profile or from the profile cache
+first draft length; ``target.lookahead_memory`` gets the same t(n), and the record carries it
+(``forward_seconds``) for the fresh memories of cold lookahead calls. The costs come from a given profile or from the profile cache
 (``hf_specdec.models.profile.cached_costs``): nothing is ever measured here. It returns a record of what was
 seeded, or why not.
 """
@@ -72,8 +73,8 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
     """``hf_specdec.enable(target)``, then seed ``target.speculative_memory`` for ``draft`` from ``profile``
     (a ``HardwareProfile``) or, without one, from the profile cache (``cached_costs``; never measures).
 
-    Returns ``{"seeded": bool, "source", "target_format", "draft_format", "forward_sizes", "t1_s",
-    "draft_step_s", "c", "why"}``; ``why`` says what was seeded or why nothing was. A memory that already holds
+    Returns ``{"seeded": bool, "source", "target_format", "draft_format", "forward_sizes", "forward_seconds",
+    "t1_s", "draft_step_s", "c", "why"}``; ``why`` says what was seeded or why nothing was. A memory that already holds
     estimates for this draft (an earlier call or harness) is left as it is. Never raises: seeding is a speed
     hint, and a harness must run without it.
     """
@@ -81,13 +82,15 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
     from ..models.profile import cached_costs, model_format
 
     record: dict[str, Any] = {"seeded": False, "source": None, "target_format": None, "draft_format": None,
-                              "forward_sizes": [], "t1_s": None, "draft_step_s": None, "c": None, "why": ""}
+                              "forward_sizes": [], "forward_seconds": None, "t1_s": None, "draft_step_s": None,
+                              "c": None, "why": ""}
     try:
         enable(target)
         record["target_format"], record["draft_format"] = model_format(target), model_format(draft)
         estimates = target.speculative_memory.estimates(draft)
         if estimates.forward.largest or estimates.draft_step.largest:
             record["why"] = "the speculative memory already holds estimates for this draft (left as they are)"
+            record["forward_seconds"] = estimates.forward.table() or None  # what it measured: as good a seed
             return record
         if profile is not None:
             forward, steps = _profile_costs(profile, target, draft)
@@ -106,8 +109,10 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
                          f"({PROFILE_HINT})")
         return record
     target.speculative_memory.seed(draft, forward, steps)
+    target.lookahead_memory.seed(forward)
     t1, step = (forward.get(1) if forward else None), (steps.get(1) if steps else None)
-    record.update(seeded=True, source=source, forward_sizes=sorted(forward) if forward else [], t1_s=t1,
+    record.update(seeded=True, source=source, forward_sizes=sorted(forward) if forward else [],
+                  forward_seconds=dict(sorted(forward.items())) if forward else None, t1_s=t1,
                   draft_step_s=step, c=step / t1 if step is not None and t1 else None)
     parts = []
     if forward:

@@ -10,7 +10,8 @@
 - ``hf_prompt_lookup``: transformers prompt lookup, ``prompt_lookup_num_tokens=10``.
 - ``specdec_adaptive``, ``specdec_fixed``, ``specdec_heuristic``: hf_specdec with the draft,
   ``SpecConfig(policy=..., num_draft_tokens=spec_k)`` (``max_draft_tokens``: its default, or spec_k if larger).
-- ``lookahead``: hf_specdec lookahead, no draft; cold: ``lookahead_memory=None`` (no call learns from another).
+- ``lookahead``: hf_specdec lookahead, no draft; cold: a fresh memory per call (no call learns from another),
+  which knows only the hardware profile's t(n) (``Harness.cold_memory``).
 - ``lookahead_warm``: hf_specdec lookahead with the harness's one ``LookaheadMemory`` (one run, one task
   family): each call reads the earlier warm calls' prompts, outputs and measurements.
 - ``plain_bf16``, ``plain_fp16``, ``plain_fp32`` (``PLAIN_DTYPE_MODES``, not in ``MODES``): plain decoding of
@@ -91,7 +92,7 @@ def _specdec(policy: str) -> Callable:
 def _lookahead(warm: bool) -> Callable:
     def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
         return enable(h.target).generate(**kwargs, decoding="lookahead", lookahead_config=settings.lookahead,
-                                         lookahead_memory=h.memory if warm else None)
+                                         lookahead_memory=h.memory if warm else h.cold_memory())
 
     return call
 

@@ -95,7 +95,8 @@ class Harness:
     ``plain_targets``: copies of the target in other dtypes, ``{"fp32": model, ...}``, for the ``plain_<dtype>``
     modes (a copy may be the target itself). With a draft and ``seed_memory`` (the default), the target's
     speculative memory is seeded for the draft from ``profile`` or the profile cache (``profile_cache_dir``);
-    ``memory_seed`` records the outcome (None without a draft).
+    ``memory_seed`` records the outcome (None without a draft). Every ``LookaheadMemory`` the harness makes
+    (``memory``, ``new_memory()``, ``cold_memory()``) starts from the same t(n).
 
     Close it (or use it as a context manager) to remove the forward hooks.
     """
@@ -107,7 +108,6 @@ class Harness:
         self.settings = settings or Settings()
         self.device = device_of(target)
         self.cuda = self.device.type == "cuda"
-        self.memory = LookaheadMemory()
         self.plain_targets = dict(plain_targets or {})
         self._target_forwards = ForwardCounter(target)
         self._draft_forwards = ForwardCounter(draft) if draft is not None else None
@@ -116,6 +116,8 @@ class Harness:
         self.memory_seed: dict[str, Any] | None = None
         if draft is not None and seed_memory:
             self.memory_seed = _seed_memory(target, draft, profile=profile, cache_dir=profile_cache_dir)
+        self.forward_seconds = (self.memory_seed or {}).get("forward_seconds")  # the profile's t(n), or None
+        self.memory = self.cold_memory()
 
     def __enter__(self) -> "Harness":
         return self
@@ -143,7 +145,14 @@ class Harness:
         return self._target_forwards if fmt is None else self._plain_forwards.get(fmt, self._target_forwards)
 
     def new_memory(self) -> None:
-        self.memory = LookaheadMemory()
+        self.memory = self.cold_memory()
+
+    def cold_memory(self) -> LookaheadMemory:
+        """A memory of no earlier call (no text, no acceptance) that knows this hardware's t(n) from the profile:
+        what a cold lookahead call starts from, so it does not try forward sizes the profile already priced."""
+        memory = LookaheadMemory()
+        memory.seed(self.forward_seconds)
+        return memory
 
     @property
     def draft_forwards(self) -> int:
