@@ -176,11 +176,13 @@ def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], vi
     logits = cache.forward(batch, num_logits=needed.shape[0] if full else needed)  # [B, |needed|, V]
     logits = logits[..., : inputs.vocab_size]
     # the target's own choice and top choices at every computed row, for the whole batch at once: one call each
-    # instead of one per row (per-row calls measured 2-3x slower at B = 8 on CPU)
-    choices = greedy_choice(logits).cpu()  # [B, |needed|]
+    # instead of one per row (per-row calls measured 2-3x slower at B = 8 on CPU); its own choice only where it is
+    # read (greedy on raw logits decides by it, a window's next guesses are it)
+    raw = not inputs.do_sample and not inputs.logits_processor
+    wanted = raw or any(proposal.extra is not None for proposal in proposals)
+    choices = greedy_choice(logits).cpu() if wanted else None  # [B, |needed|]
     top_k = max(proposal.top_k for proposal in proposals)
     tops = logits.topk(top_k, dim=-1).indices.cpu() if top_k else None  # [B, |needed|, K]
-    raw = not inputs.do_sample and not inputs.logits_processor  # greedy on raw logits: ``choices`` decide
     indices = [where[layout.logits_index] for layout in layouts]  # per row: [R] into logits
     verdicts, scores, kept = [], [], []
     for i, (row, layout, proposal, index) in enumerate(zip(rows, layouts, proposals, indices)):

@@ -9,9 +9,9 @@ given. ``choices_record`` is the same for a report (JSON-ready).
 this draft from the hardware profile: the target's t(n) in its loaded format and the draft's step in its
 format, so the first speculative call is sized from the start instead of measuring a plain step and probing a
 first draft length; ``target.lookahead_memory`` gets the same t(n), and the record carries it
-(``forward_seconds``) for the fresh memories of cold lookahead calls. The costs come from a given profile or from the profile cache
-(``hf_specdec.models.profile.cached_costs``): nothing is ever measured here. It returns a record of what was
-seeded, or why not.
+(``forward_seconds``) for the fresh memories of cold lookahead calls. The costs come from a given profile or
+from the profile cache (``hf_specdec.models.profile.cached_costs``): nothing is ever measured here. It returns a
+record of what was seeded, or why not.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
     (a ``HardwareProfile``) or, without one, from the profile cache (``cached_costs``; never measures).
 
     Returns ``{"seeded": bool, "source", "target_format", "draft_format", "forward_sizes", "forward_seconds",
-    "t1_s", "draft_step_s", "c", "why"}``; ``why`` says what was seeded or why nothing was. A memory that already holds
-    estimates for this draft (an earlier call or harness) is left as it is. Never raises: seeding is a speed
+    "t1_s", "draft_step_s", "c", "why"}``; ``why`` says what was seeded or why nothing was. A memory that already
+    holds estimates for this draft (an earlier call or harness) is left as it is. Never raises: seeding is a speed
     hint, and a harness must run without it.
     """
     from .. import enable

@@ -260,8 +260,9 @@ def _add_tune(subparsers) -> None:
     p = subparsers.add_parser(
         "tune", help="measure (or refresh) the hardware profile of a target/draft pair and show what it chooses",
         description="Measures what a forward costs here per target dtype (t(n), prefill) and per draft format "
-                    "(one step over 1, 2, 4 and 8 rows), on proxies of the models' shapes (seconds; no weights loaded), caches it under "
-                    "the hf_specdec cache dir and prints it with the choices dtype='auto' / quantize='auto' make.")
+                    "(one step over 1, 2, 4 and 8 rows), on proxies of the models' shapes (seconds; no weights "
+                    "loaded), caches it under the hf_specdec cache dir and prints it with the choices "
+                    "dtype='auto' / quantize='auto' make.")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target reference (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help=f"draft reference (default {DEFAULT_DRAFT}; 'none': the target only)")
