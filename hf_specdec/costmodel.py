@@ -289,8 +289,13 @@ class Regret:
         if guessed:
             self.lost += round_seconds - emitted * step
 
+    def allowance(self) -> float:
+        """Seconds a round may still lose, at worst, with the total loss staying within the budget (negative
+        once it is spent)."""
+        return self.budget * self.plain_seconds - self.lost
+
     def allows(self, cost: float) -> bool:
-        return self.lost + cost <= self.budget * self.plain_seconds
+        return cost <= self.allowance()
 
 
 @dataclass

@@ -545,6 +545,26 @@ class TreePolicy:
         8 x 16 cost 2.45)."""
         return self.estimates.forward.estimate(self.rows * num_tokens, extrapolate=self.rows > 1) or 0.0
 
+    def _affordable(self, limit: int) -> int:
+        """The widest forward (inputs per row, at most ``limit``) whose worst case stays within the regret budget.
+
+        At worst every guess is rejected and the round emits what a plain step does, so it loses t(n) - t(1).
+        Sizing each round by that, instead of guessing while the account is within budget, bounds the loss of
+        every call, not only its average: on a CPU where a forward over 24 inputs costs 3.2 plain steps (fp32
+        kernels limited to AVX2 on an Intel Xeon) one such round lost more than the whole 3% of a 64-token call
+        (cold lookahead 0.95x plain on one HumanEval prompt). Where t(n) is flat the first sizes are affordable
+        after a few plain steps, and every round that pays widens what the next may try. Sizes past the largest
+        measured continue its slope here (as a batch's do in ``_seconds``). 1: nothing is affordable, a plain
+        step earns the budget back."""
+        allowance, cost = self.regret.allowance(), self.estimates.forward
+        step = cost.estimate(self.rows) or 0.0
+        affordable = 1
+        for n in range(2, limit + 1):
+            if (cost.estimate(self.rows * n, extrapolate=True) or 0.0) - step > allowance:
+                break
+            affordable = n
+        return affordable
+
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
         self.rows = len(views)
         self.rounds += 1
@@ -566,6 +586,9 @@ class TreePolicy:
         # (from 8 inputs at B = 1, where t(1..8) is flat on every device measured; from the plain step at B > 1,
         # where a B x 8 forward is far past anything measured)
         limit = min(config.max_forward_tokens, max(8 if self.rows == 1 else 1, 2 * cost.largest // self.rows))
+        auto = config.window == "auto" and config.max_candidates == "auto"
+        if auto:
+            limit = self._affordable(limit)
         candidates = [tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
                       for budget, offer in zip(budgets, offers)]
         chosen: list[tuple[Candidate, ...]] = [()] * len(offers)
@@ -598,7 +621,7 @@ class TreePolicy:
             if config.ngram != "auto":
                 ngram = config.ngram
                 window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
-        auto, plans = config.window == "auto" and config.max_candidates == "auto", []
+        plans = []
         for budget, offer, row, kept in zip(budgets, offers, candidates, chosen):
             if config.max_candidates != "auto":
                 trie = merge_candidates(row, config.max_candidates * (ngram - 1))
@@ -607,9 +630,6 @@ class TreePolicy:
             shape = (window, ngram)
             if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
                 shape = (1, 2)  # the window would run past the position table
-            if auto and (kept or shape[0] > 1) and not self.regret.allows(0.0):
-                plans.append(PLAIN)  # guessing has lost more than its budget against plain decoding: plain steps
-                continue  # earn it back
             plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape))
         return plans
 
