@@ -3,6 +3,7 @@
     python bench/lookahead_before_after.py --old 585b495 --limit 12 --new-tokens 128   # HumanEval/0-11
     python bench/lookahead_before_after.py --old 585b495 --tiny                         # smoke run, tiny model
     python bench/lookahead_before_after.py --modes old,old_again --limit 24            # the noise: old against old
+    python bench/lookahead_before_after.py --old 1a93a1a --modes plain,old,new --cold  # cold calls, as eval's
 
 A script, not a test (issue 13: "same speed within noise" before and after the redesign). The old commit's
 package is exported with ``git archive`` into a temporary folder and imported as ``hf_specdec_old`` (its own
@@ -53,6 +54,9 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=12, help="HumanEval/0..N-1")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--tiny", action="store_true", help="the offline tiny pair's target (a smoke run)")
+    parser.add_argument("--cold", action="store_true",
+                        help="every call a fresh memory (seeded with the cached hardware profile's t(n) where the "
+                             "package can), as eval's and the demo's `lookahead` mode; default: one memory per mode")
     parser.add_argument("--modes", default="plain,old,new",
                         help="of plain, old, new, old_again (the old commit again, with a memory of its own: "
                              "how far two runs of the same code differ)")
@@ -88,12 +92,25 @@ def main(argv=None) -> int:
         common = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         packages = {"old": old, "new": hf_specdec, "old_again": old}
 
-        def lookahead(package, memory):
+        forward_seconds = None
+        if args.cold:
+            from hf_specdec.models.profile import cached_costs
+
+            forward_seconds, _ = cached_costs(model)  # None: not profiled yet (`hf-specdec tune`), unseeded
+
+        def fresh(package):
+            memory = package.LookaheadMemory()
+            if forward_seconds and hasattr(memory, "seed"):  # commits before the seed decode unseeded
+                memory.seed(forward_seconds)
+            return memory
+
+        def lookahead(package):
+            memory = package.LookaheadMemory()
             return lambda ids: plain(model, ids, custom_generate=package.lookahead_generate,
-                                     lookahead_memory=memory, **common)
+                                     lookahead_memory=fresh(package) if args.cold else memory, **common)
 
         modes = {mode: (lambda ids: plain(model, ids, **common)) if mode == "plain" else
-                 lookahead(packages[mode], packages[mode].LookaheadMemory()) for mode in args.modes.split(",")}
+                 lookahead(packages[mode]) for mode in args.modes.split(",")}
         warm = tokenizer("def f(x):\n", return_tensors="pt").input_ids
         with torch.inference_mode():
             for run in modes.values():
@@ -122,7 +139,8 @@ def main(argv=None) -> int:
             print(f"prompt {i}: " + ", ".join(f"{m} {len(o)} tokens" for m, o in outs.items()), file=sys.stderr)
     rate = {mode: t["tokens"] / t["seconds"] for mode, t in totals.items()}
     report = {
-        "old": args.old, "prompts": len(texts), "new_tokens": args.new_tokens,
+        "old": args.old, "prompts": len(texts), "new_tokens": args.new_tokens, "cold": args.cold,
+        "seeded": bool(forward_seconds),
         "tokens_per_s": {mode: round(r, 2) for mode, r in rate.items()},
         **{f"{mode}_vs_old": round(rate[mode] / rate["old"], 3) for mode in ("new", "old_again")
            if mode in rate and "old" in rate},

@@ -281,7 +281,9 @@ def test_memory_makes_a_repeated_request_cheap_and_keeps_output_exact():
     first_stats = model.last_spec_stats
     assert first_stats.draft_length_hist[0] >= 1  # cold: the first round is a plain step that measures t(1)
     assert memory.corpus.tokens[: RANDOM.shape[1]] == RANDOM[0].tolist() and memory.estimates.forward.measured(1)
-    second = lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory=memory)
+    # the tiny model's forwards take about a millisecond and their timings are mostly noise, which decides whether
+    # the first call's guesses paid: the regret budget (tested on its own above, with set costs) is opened here
+    second = lookahead(model, RANDOM, LookaheadConfig(max_regret=0.5), lookahead_memory=memory)
     second_stats = model.last_spec_stats
     assert torch.equal(first, expected) and torch.equal(second, expected)
     # the earlier answer is a candidate from the first round on: a few forwards instead of one per token
@@ -407,16 +409,16 @@ def test_tokens_per_round_count_every_round_that_had_candidates_verified_or_not(
 
 def test_the_regret_account_is_carried_to_the_next_call_at_half():
     """A round is sized by its worst case (every guess rejected: it loses t(n) - t(1)). Fresh, a call has no
-    budget yet: its first round is a plain step, which earns 3% of 0.2 s, enough for the 1.4 ms a 4-input round
-    may lose here; a miss (0.02 s) then spends it, and plain steps follow. After earlier calls where guessing
-    paid (4 s of credit over 20 s of plain time, half of it carried), the first round guesses and the miss is
-    covered; after earlier calls that lost their whole budget, the call starts at its budget: plain steps."""
+    budget yet: its first round is a plain step, which earns 1.5% of 0.2 s (3 ms): enough for a 3-input round
+    (2.9 ms at worst), not for all 4 inputs of the guess (4.3 ms); a miss (0.02 s) then spends it, and plain
+    steps follow. After earlier calls where guessing paid (4 s of credit over 20 s of plain time, half of it
+    carried), the first round guesses and the miss is covered; after earlier calls that lost their whole budget, the call starts at its budget: plain steps."""
     def call(earlier_lost, earlier_plain):
         estimates = Estimates()
         estimates.forward.observe(1, 0.2)
         estimates.forward.observe(8, 0.21)
         estimates.regret.lost, estimates.regret.plain_seconds = earlier_lost, earlier_plain
-        policy = TreePolicy(LookaheadConfig(), estimates)  # a new call: start(max_regret=0.03)
+        policy = TreePolicy(LookaheadConfig(), estimates)  # a new call: start(max_regret=0.015)
         views = [RowView(0, torch.arange(10), 64)]
         offers = [Offer(candidates=(Candidate((5, 6, 7), ("history", 3)),))]
         return policy, lambda: policy.plan(views, offers)[0]
@@ -424,7 +426,7 @@ def test_the_regret_account_is_carried_to_the_next_call_at_half():
     policy, plan = call(0.0, 0.0)  # a call on its own
     assert plan().is_plain
     policy.regret.observe(round_seconds=0.2, emitted=1, step=0.2, guessed=False)
-    assert plan().candidates == (Candidate((5, 6, 7), ("history", 3)),)  # 4 inputs: 1.4 ms at worst
+    assert plan().candidates == (Candidate((5, 6), ("history", 3)),)  # the guess cut to what is affordable
     policy.regret.observe(round_seconds=0.22, emitted=1, step=0.2, guessed=True)  # a miss
     assert plan().is_plain
     policy, plan = call(-4.0, 20.0)  # earlier calls paid
@@ -438,7 +440,7 @@ def test_the_regret_account_is_carried_to_the_next_call_at_half():
 def test_no_lookahead_round_can_lose_more_than_the_regret_budget_where_forwards_are_steep():
     """fp32 t(n) of the bundled 1.5B target with kernels limited to AVX2 (Intel Xeon, measured: a forward over
     8 inputs costs 2.1 plain steps). Every guess is rejected, the worst case: after every round the time lost
-    against plain decoding stays within 3% of plain decoding's time, and guessing is tried again as the budget
+    against plain decoding stays within the budget (1.5% of plain decoding's time), and guessing is tried again as the budget
     allows (before, one 24-input round lost 0.5 s, more than the whole budget of a 64-token call)."""
     table = {1: 0.251, 2: 0.447, 4: 0.425, 8: 0.517, 16: 0.658, 32: 0.841}
     estimates = Estimates()
@@ -457,7 +459,7 @@ def test_no_lookahead_round_can_lose_more_than_the_regret_budget_where_forwards_
         guessed += inputs > 1
         policy.observe([RoundOutcome(proposal, accepted=(), next_token=9, emitted=(9,), start_length=10,
                                      forward_tokens=inputs, verify_time=estimates.forward.estimate(inputs))])
-        assert policy.regret.lost <= 0.03 * policy.regret.plain_seconds + 1e-9
+        assert policy.regret.lost <= policy.config.max_regret * policy.regret.plain_seconds + 1e-9
     assert guessed >= 3  # it kept probing, within the budget
 def test_each_candidate_of_a_source_is_judged_and_fades_its_counts_once():
     """Two pool n-grams [5, 6] and [5, 7] share their first node; the target keeps 5, 6. Each candidate is
