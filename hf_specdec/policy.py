@@ -558,12 +558,13 @@ class TreePolicy:
         step earns the budget back."""
         allowance, cost = self.regret.allowance(), self.estimates.forward
         step = cost.estimate(self.rows) or 0.0
-        affordable = 1
-        for n in range(2, limit + 1):
-            if (cost.estimate(self.rows * n, extrapolate=True) or 0.0) - step > allowance:
-                break
-            affordable = n
-        return affordable
+
+        def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
+            return (cost.estimate(self.rows * n, extrapolate=True) or 0.0) - step > allowance
+
+        if limit <= 1 or not loses(limit):  # the usual case once guessing has paid: one estimate, not one a size
+            return limit
+        return next(n for n in range(2, limit + 1) if loses(n)) - 1
 
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
         self.rows = len(views)
