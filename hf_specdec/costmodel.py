@@ -56,6 +56,10 @@ class ForwardCost:
     largest, is flat (optimistic: a longer forward gets tried once and then is measured) or, with
     ``extrapolate``, continues the slope of the two largest measured sizes.
 
+    Points seeded from a hardware profile (``from_table(..., prior=True)``) are priors: the first measurement at a
+    seeded size replaces the seed instead of averaging with it (a profile measured on proxies, another cache length
+    or a quieter machine can be off by a third), and ``measured_only`` is the curve of what was measured here.
+
     t(1) stands on its own: a one-token forward runs matrix-vector products, which can cost more than a product
     over a few rows (measured on an AMD EPYC CPU in bf16, oneDNN: 0.22 s for one token, 0.19 s for two, 0.21 s
     for four). Bounding it by the larger sizes would hide that a round verifying a guess or two is cheaper than
@@ -71,23 +75,49 @@ class ForwardCost:
     (0.212, 0.2)
     >>> ForwardCost.from_table({1: 1.0, 4: 1.5}).estimate(3)
     1.333333333333
+    >>> seeded = ForwardCost.from_table({1: 0.30, 4: 0.14, 8: 0.21}, prior=True)  # a profile's t(1) that was off
+    >>> seeded.observe(1, 0.14); seeded.observe(4, 0.15)
+    >>> seeded.estimate(1), seeded.estimate(8), seeded.seeded(8), seeded.measured_only().estimate(8)
+    (0.14, 0.21, True, 0.15)
     """
 
     def __init__(self) -> None:
         self._by_size: dict[int, Ema] = {}
+        self._prior: set[int] = set()  # sizes whose value is still a seed, not measured here
         self._curve: tuple[list[int], dict[int, float]] | None = None  # (sizes, bounded), until the next observe
+        self._measured: ForwardCost | None = None  # measured_only(), until the next observe
 
     @classmethod
-    def from_table(cls, seconds_by_size: Mapping[int, float]) -> "ForwardCost":
-        """A cost curve from measured points (seconds, or any unit: v(n) works as well as t(n))."""
+    def from_table(cls, seconds_by_size: Mapping[int, float], *, prior: bool = False) -> "ForwardCost":
+        """A cost curve from measured points (seconds, or any unit: v(n) works as well as t(n)); with ``prior``,
+        the points are seeds that the first measurement at each size replaces."""
         cost = cls()
         for n, seconds in seconds_by_size.items():
             cost.observe(int(n), float(seconds))
+        if prior:
+            cost._prior = set(cost._by_size)
         return cost
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        self._by_size.setdefault(int(num_tokens), Ema()).update(seconds)
-        self._curve = None
+        n = int(num_tokens)
+        if n in self._prior:  # the first measurement here replaces the seed
+            self._prior.discard(n)
+            del self._by_size[n]
+        self._by_size.setdefault(n, Ema()).update(seconds)
+        self._curve = self._measured = None
+
+    def seeded(self, num_tokens: int) -> bool:
+        """Is the value at this size a seed not measured here yet?"""
+        return int(num_tokens) in self._prior
+
+    def measured_only(self) -> "ForwardCost":
+        """The curve of the sizes measured here, without the seeds (empty before any measurement)."""
+        if self._measured is None:
+            self._measured = ForwardCost()
+            for n, ema in self._by_size.items():
+                if n not in self._prior:
+                    self._measured._by_size[n] = ema
+        return self._measured
 
     def measured(self, num_tokens: int) -> bool:
         return int(num_tokens) in self._by_size

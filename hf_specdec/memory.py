@@ -54,15 +54,16 @@ class SpeculativeMemory:
              draft_step_seconds: float | Mapping[int, float] | None = None) -> None:
         """Start ``draft``'s estimates from measured costs (a hardware profile): t(n) of the target by inputs,
         and the seconds of one draft step, of one row or by rows (``{rows: seconds}``: its shape also prices
-        batch sizes not measured yet, ``Estimates.draft_seconds``). Online measurements then refine them."""
+        batch sizes not measured yet, ``Estimates.draft_seconds``). They are priors: the first measurement at each
+        size replaces its seed (``ForwardCost.from_table(prior=True)``)."""
         estimates = self.estimates(draft)
         if forward_seconds:
-            estimates.forward = ForwardCost.from_table(forward_seconds)
+            estimates.forward = ForwardCost.from_table(forward_seconds, prior=True)
         if isinstance(draft_step_seconds, Mapping):
             estimates.draft_rows = ForwardCost.from_table(draft_step_seconds)
             draft_step_seconds = draft_step_seconds.get(1)
         if draft_step_seconds is not None:
-            estimates.draft_step.observe(1, draft_step_seconds)
+            estimates.draft_step = ForwardCost.from_table({1: draft_step_seconds}, prior=True)
 
     def clear(self) -> None:
         self._by_draft = weakref.WeakKeyDictionary()
@@ -84,10 +85,10 @@ class LookaheadMemory:
     def seed(self, forward_seconds: Mapping[int, float] | None) -> None:
         """Start the target's t(n) from measured costs (a hardware profile: ``{n: seconds}``) while nothing has
         been measured yet, so the first call prices every size from the start instead of trying sizes it has
-        not measured (on a CPU without bf16 units a 2-token forward costs 1.8 plain steps). Online measurements
-        then refine them; text and acceptance are not touched."""
+        not measured (on a CPU without bf16 units a 2-token forward costs 1.8 plain steps). They are priors: the
+        first measurement at each size replaces its seed; text and acceptance are not touched."""
         if forward_seconds and not self.estimates.forward.largest:
-            self.estimates.forward = ForwardCost.from_table(forward_seconds)
+            self.estimates.forward = ForwardCost.from_table(forward_seconds, prior=True)
 
     def recycle(self, inputs: torch.LongTensor, top_next: torch.LongTensor) -> None:
         """Keep the target's newest top choices ``top_next`` [R, K] after each of the tokens ``inputs`` [R].

@@ -129,8 +129,9 @@ class HeuristicPolicy(FixedPolicy):
 class AdaptiveChainRule:
     """The in-round rules of one adaptive round, over a snapshot of the estimates (see the module docstring).
 
-    t_step: t(n) for n = 1.. (index n - 1), flat past the largest measured size; t_extrapolated: the same,
-    extrapolated; bin_kept / bin_judged: the confidence calibration counts; lookup_rates: b_1..b_m.
+    t_step: t(n) for n = 1.. (index n - 1), flat past the largest measured size (and past the largest measured
+    here over seeded sizes, while the regret budget covers them: ``AdaptivePolicy._t_in_round``); t_extrapolated:
+    t(n) extrapolated; bin_kept / bin_judged: the confidence calibration counts; lookup_rates: b_1..b_m.
     """
 
     t_draft: float | None
@@ -245,11 +246,23 @@ class AdaptivePolicy:
             return False
         return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate()
 
+    def _t_in_round(self, n: int) -> float | None:
+        """t(n) for the in-round rule. Past the largest size measured here, a size priced only by its seed (the
+        hardware profile) is priced as the measured curve continues, flat, when what that could lose against the
+        seed's price fits in what the regret budget has left: the round then measures it. (A profile that
+        overpriced a size would otherwise keep rounds from ever reaching it and learning its real cost.)"""
+        t = self._t(n)
+        measured = self.estimates.forward.measured_only()
+        if t is None or not measured.largest or self.rows * n <= measured.largest:
+            return t
+        optimistic = measured.estimate(self.rows * n)
+        return optimistic if t - optimistic <= self.regret.allowance() else t
+
     def rule(self) -> AdaptiveChainRule:
         longest = self.max_k + 2 + self.MAX_LOOKUP
         return AdaptiveChainRule(
             t_draft=self._t_draft(),
-            t_step=tuple(self._t(n) for n in range(1, longest + 1)),
+            t_step=tuple(self._t_in_round(n) for n in range(1, longest + 1)),
             t_extrapolated=tuple(self._t(n, extrapolate=True) for n in range(1, longest + 1)),
             bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
             lookup_rates=tuple(self.lookup.rates(self.MAX_LOOKUP)) if self._lookup() else (),

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from hf_specdec.costmodel import ForwardCost
+from hf_specdec.costmodel import Estimates, ForwardCost
 from hf_specdec.config import SpecConfig
 from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy, speedup_bound
 from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source
@@ -314,3 +314,29 @@ def test_a_batch_drafts_one_k_for_every_row_without_confidence_stops_or_lookup()
     batch = plans(4, lookup=True)
     assert {p.model_tokens for p in batch} == {5} and not any(p.candidates for p in batch)
     assert not any(p.rule.confidence_stop or p.rule.lookup_rates for p in batch)
+
+
+def rounds_length(rule, confidence=0.95, most=16):
+    """How many tokens the in-round rule drafts when every draft token has this confidence."""
+    confidences = [confidence]
+    while len(confidences) < most and rule.keep_drafting(confidences):
+        confidences.append(confidence)
+    return len(confidences)
+
+
+def test_a_profile_that_overprices_long_forwards_is_measured_once_speculation_has_paid():
+    """A hardware profile priced forwards over 5+ inputs at two plain steps; here they cost one. While nothing
+    has paid, the in-round rule believes the profile; once rounds have earned regret credit, a seeded size past
+    the largest measured one is priced as the measured curve continues (what it could lose fits in the budget),
+    the round runs past it, and that measurement replaces the seed instead of averaging with it."""
+    seeded = {n: (0.1 if n <= 4 else 0.2) for n in (1, 2, 3, 4, 6, 8, 16, 32)}
+    policy = AdaptivePolicy(SpecConfig(), Estimates(forward=ForwardCost.from_table(seeded, prior=True),
+                                                    draft_step=ForwardCost.from_table({1: 0.02}, prior=True)))
+    assert rounds_length(plan(policy, 16).rule) == 3  # no credit yet: 5 inputs priced by the profile
+    feed(policy, 10, 3, 3, t_draft=0.02, t_verify=flat, confidences=[0.95] * 3)  # 4 tokens for 0.16 s, plain 0.4 s
+    assert policy.regret.allowance() > 0.1
+    assert rounds_length(plan(policy, 16).rule) > 4
+    policy.regret.lost, policy.regret.plain_seconds = 0.0, 0.0  # the same estimates with no credit
+    assert rounds_length(plan(policy, 16).rule) == 3
+    observe(policy, outcome(chain(5), 5, 0.1))  # 6 inputs measured at one plain step
+    assert policy.estimates.forward.estimate(6) == 0.1 and not policy.estimates.forward.seeded(6)
