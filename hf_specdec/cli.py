@@ -50,7 +50,11 @@ def _generate(args: argparse.Namespace) -> int:
           f"tokens/s), TTFT {ttft}, mean accepted length {row['mean_accepted_length'] or 0:.2f}, prompt "
           f"{row['prompt_tokens']} tokens", file=sys.stderr)
     if mode.hf_specdec and model.last_spec_stats is not None:
-        print(model.last_spec_stats.summary(), file=sys.stderr)
+        stats = model.last_spec_stats
+        print(stats.summary(), file=sys.stderr)
+        if args.verbose:  # where the time went and why rounds were plain, one line each
+            for line in stats.explain():
+                print(f"[hf_specdec] {line}", file=sys.stderr)
     return 0
 
 
@@ -92,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="after the text, where the time went and why rounds were plain (speculation off)")
     gen.set_defaults(func=_generate)
 
     # `hf-specdec demo ARGS...` hands ARGS to hf_specdec.demo.app.main untouched (see main)

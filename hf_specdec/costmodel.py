@@ -5,6 +5,9 @@ two kinds of numbers, both measured on the machine it runs on and never assumed:
 
 - costs: ``ForwardCost`` t(n), seconds of one target forward over n new tokens (monotone, interpolated), and
   another of the seconds of one draft-model step over n rows, t_d (it grows with the batch, as t(n) does);
+  ``ForwardPrice``, the one price of a round's forward that every decision reads (its extrapolation rules are
+  written there once); ``ReadCost``, the draft model's prompt read priced by its structure, as a share of the
+  target's read of the same prompt;
 - acceptance: ``DecayedAcceptance``, P(a guess at position i is accepted | the guesses before it were), one per
   source of guesses (the draft model, prompt lookup, the lookahead pool, ...), decayed counts with a Beta prior.
 
@@ -19,6 +22,7 @@ Terms (see ``verify.py``): c = t_d / t(1); v(n) = t(n) / t(1).
 from __future__ import annotations
 
 import bisect
+import enum
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -58,7 +62,10 @@ class ForwardCost:
 
     Points seeded from a hardware profile (``from_table(..., prior=True)``) are priors: the first measurement at a
     seeded size replaces the seed instead of averaging with it (a profile measured on proxies, another cache length
-    or a quieter machine can be off by a third), and ``measured_only`` is the curve of what was measured here.
+    or a quieter machine can be off by a third), and ``measured_only`` is the curve of what was measured here. A
+    first measurement ``COLD`` times its seed is the one-time cold start of a new shape's kernels (on CPUs, the
+    first forward over a new number of inputs can cost several warm ones) and is not learned; the seed then
+    stands until the next measurement, which replaces it.
 
     t(1) stands on its own: a one-token forward runs matrix-vector products, which can cost more than a product
     over a few rows (measured on an AMD EPYC CPU in bf16, oneDNN: 0.22 s for one token, 0.19 s for two, 0.21 s
@@ -79,6 +86,10 @@ class ForwardCost:
     >>> seeded.observe(1, 0.14); seeded.observe(4, 0.15)
     >>> seeded.estimate(1), seeded.estimate(8), seeded.seeded(8), seeded.measured_only().estimate(8)
     (0.14, 0.21, True, 0.15)
+    >>> seeded.observe(8, 0.9); seeded.estimate(8), seeded.cold  # a cold start: the seed stands
+    (0.21, 1)
+    >>> seeded.observe(8, 0.2); seeded.estimate(8)  # the next measurement replaces it
+    0.2
     """
 
     def __init__(self) -> None:
@@ -86,6 +97,7 @@ class ForwardCost:
         self._prior: set[int] = set()  # sizes whose value is still a seed, not measured here
         self._curve: tuple[list[int], dict[int, float]] | None = None  # (sizes, bounded), until the next observe
         self._measured: ForwardCost | None = None  # measured_only(), until the next observe
+        self.cold = 0  # first measurements not learned as cold starts
 
     @classmethod
     def from_table(cls, seconds_by_size: Mapping[int, float], *, prior: bool = False) -> "ForwardCost":
@@ -98,9 +110,16 @@ class ForwardCost:
             cost._prior = set(cost._by_size)
         return cost
 
+    COLD = 3.0  # a first measurement this many times its seed is a one-time cold start, not the size's cost
+
     def observe(self, num_tokens: int, seconds: float) -> None:
+        """Learn one timing, unless it is a first measurement at a seeded size more than ``COLD`` times its seed:
+        a one-time cold start of that shape's kernels, counted in ``cold`` and not learned (the next one is)."""
         n = int(num_tokens)
         if n in self._prior:  # the first measurement here replaces the seed
+            if seconds > self.COLD * self._by_size[n].value:
+                self.cold += 1
+                return
             self._prior.discard(n)
             del self._by_size[n]
         self._by_size.setdefault(n, Ema()).update(seconds)
@@ -176,6 +195,149 @@ class ForwardCost:
         if m == 0 or n <= m or like.largest < n:
             return self.estimate(n)
         return round(self.estimate(m) * like.estimate(n) / like.estimate(m), 12)
+
+
+class Bound(enum.Enum):
+    """How a price treats forward sizes past the largest one measured (``ForwardPrice``).
+
+    EXPECTED: what a round is expected to cost. For one row, flat past the largest measured size (optimistic: t(n)
+        is flat up to a few dozen inputs on every device measured, and a larger forward is tried once, then
+        known); for a batch the slope of the two largest sizes continues (a B x n forward is far past where t
+        stays flat). A size priced only by its seed (the hardware profile) past the largest measured here is
+        priced as the measured curve continues when what that could lose fits in the regret allowance: the round
+        then measures it (a profile that overpriced a size would otherwise keep rounds from ever reaching it).
+    WORST: the slope of the two largest measured sizes, continued. For what cannot be undone once run: a round
+        sized by its worst case, a prompt read decided on what it saves.
+    """
+
+    EXPECTED = "expected"
+    WORST = "worst"
+
+
+@dataclass(frozen=True)
+class ForwardPrice:
+    """The one price of a target forward in a round: seconds of a forward over n inputs per row, every row's.
+
+    Every sizing decision reads this (``policy.py``), with the rules of ``Bound`` written here once. ``rows``: rows
+    in the batch (a forward over n inputs per row reads rows x n); ``allowance``: seconds the regret account may
+    still lose (``Regret.allowance``); ``t_draft``: seconds of one draft-model step over these rows (None:
+    unmeasured, or no draft model).
+
+    >>> cost = ForwardCost.from_table({1: 0.10, 4: 0.20, 8: 0.30, 16: 0.34}, prior=True)  # a profile's seeds
+    >>> cost.observe(1, 0.10); cost.observe(4, 0.11)  # measured here: t(4) is one step, not two
+    >>> price = ForwardPrice(cost)
+    >>> price(4), price(8), price(8, Bound.WORST)  # t(8) is the seed's: nothing has paid for trying it
+    (0.11, 0.3, 0.3)
+    >>> ForwardPrice(cost, allowance=0.5)(8)  # credit covers what trying it could lose: priced as measured
+    0.11
+    >>> ForwardPrice(cost, t_draft=0.02).round(3)  # 3 draft steps and a forward over 4 inputs
+    0.17
+    """
+
+    cost: "ForwardCost"
+    rows: int = 1
+    allowance: float = 0.0
+    t_draft: float | None = None
+
+    def __call__(self, n: int, bound: Bound = Bound.EXPECTED) -> float | None:
+        """Seconds of a forward over n inputs per row; None before anything was measured."""
+        total, batch = self.rows * n, self.rows > 1
+        if bound is Bound.WORST:
+            return self.cost.estimate(total, extrapolate=True)
+        t = self.cost.estimate(total, extrapolate=batch)
+        measured = self.cost.measured_only()
+        if t is None or not measured.largest or total <= measured.largest:
+            return t
+        optimistic = measured.estimate(total, extrapolate=batch)
+        return optimistic if t - optimistic <= self.allowance else t
+
+    def step(self) -> float | None:
+        """A plain step of these rows: the reference every other size is compared to."""
+        return self(1)
+
+    def round(self, k: int, extra: int = 0, bound: Bound = Bound.EXPECTED) -> float | None:
+        """T(k): k draft steps and a forward over the last token, the k drafted and ``extra`` more inputs (a
+        lookup tail); None while either is unmeasured."""
+        t = self(k + 1 + extra, bound)
+        if t is None or (k > 0 and self.t_draft is None):
+            return None
+        return round(k * (self.t_draft or 0.0) + t, 12)
+
+    def table(self, longest: int, bound: Bound = Bound.EXPECTED) -> tuple[float | None, ...]:
+        """``self(n, bound)`` for n = 1..longest: a snapshot an in-round rule reads (index n - 1)."""
+        return tuple(self(n, bound) for n in range(1, longest + 1))
+
+
+class ReadCost:
+    """Seconds the draft model takes to read the prompts before it first drafts, priced by its structure.
+
+    A prompt read is one forward over every prompt token: a fixed part (one pass over the weights) plus a part
+    per token (the compute). The target has just read the same prompts (its prefill, timed by the loop), so its
+    read already has this call's structure, length and padding; the draft's read is priced as a share of it,
+    ``ratio`` x the target's prefill seconds, the share learned from the calls where both were timed. Before any,
+    the share is the ``prior`` (the hardware profile's draft read over its target prefill, or the draft's share of
+    the target's parameters, which is what a forward's compute scales with).
+
+    A first read in a process pays one-time costs (kernel set-up, weight packing) that no later read pays: a
+    sample more than ``COLD`` times the share expected is such a cold start, counted in ``cold`` and not learned,
+    so one slow first read cannot price every later prompt out of drafting. Learned shares are an average that the
+    next sample moves, never a verdict: a call whose read was not repaid does not sample again, so each such call
+    (``relax``) moves a share above its prior halfway back towards it, and a later call reads and measures again.
+
+    >>> read = ReadCost(prior=0.3)
+    >>> read.estimate(target_seconds=2.0)  # the target read this prompt in 2 s
+    0.6
+    >>> read.observe(draft_seconds=5.0, target_seconds=1.0)  # a first read with the 4-bit kernels cold
+    False
+    >>> read.observe(draft_seconds=1.0, target_seconds=2.0), read.estimate(2.0)
+    (True, 1.0)
+    >>> read.relax(); read.estimate(2.0)  # a call that did not read: halfway back to the prior's 0.6
+    0.8
+    """
+
+    COLD = 3.0  # a read this many times the expected share is a cold start
+
+    __slots__ = ("prior", "ratio", "cold", "blocked")
+
+    def __init__(self, prior: float | None = None) -> None:
+        self.prior = prior
+        self.ratio = Ema(weight=0.5)
+        self.cold = 0  # reads not learned as cold starts
+        self.blocked = False  # a round of the last call did not draft because this read was not repaid
+
+    def share(self) -> float | None:
+        """The draft's read over the target's read of the same prompts (None: nothing to go by)."""
+        return self.ratio.value if self.ratio.value is not None else self.prior
+
+    def estimate(self, target_seconds: float | None) -> float | None:
+        """Seconds of the draft reading prompts that took the target ``target_seconds`` to read."""
+        share = self.share()
+        if share is None or target_seconds is None:
+            return None
+        return round(share * target_seconds, 12)
+
+    def observe(self, draft_seconds: float, target_seconds: float) -> bool:
+        """Learn from one read (False: a cold start, not learned)."""
+        if target_seconds <= 0.0:
+            return False
+        sample, share = draft_seconds / target_seconds, self.share()
+        if share is not None and sample > self.COLD * share:
+            self.cold += 1
+            return False
+        self.ratio.update(sample)
+        return True
+
+    def start_call(self) -> None:
+        """A new call: ``relax`` if the last call's read was priced out of drafting."""
+        if self.blocked:
+            self.relax()
+            self.blocked = False
+
+    def relax(self) -> None:
+        """A call did not read because the read was priced above what it saves: move a learned share above the
+        prior halfway back, so a later call measures again."""
+        if self.ratio.value is not None and self.prior is not None and self.ratio.value > self.prior:
+            self.ratio.value = round(0.5 * (self.ratio.value + self.prior), 12)
 
 
 class DecayedAcceptance:
@@ -335,21 +497,22 @@ class Estimates:
     ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward by the rows it steps (one
     new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4), measured while decoding;
     ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
-    size not measured yet (empty: the target's t(n) scales it); ``draft_setup``: seconds
-    per token the draft model reads before it first drafts (its prompt prefill, padding included); ``regret``:
+    size not measured yet (empty: the target's t(n) scales it); ``draft_read``: the draft model's prompt read,
+    a learned share of the target's prefill (``ReadCost``); ``regret``:
     what lookahead's guesses lost against plain decoding (``Regret``, carried across calls with the rest);
-    ``acceptance``: one
-    ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see ``round.Source``), created with
-    its prior the first time a policy asks for it; ``emas``: other running averages a policy keeps by name
+    ``acceptance``: one ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see
+    ``round.SourceKind``), created with its prior the first time a policy asks for it; ``calibration``: the draft
+    model's acceptance per bin of its own confidence; ``emas``: other running averages a policy keeps by name
     (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.
     """
 
     forward: ForwardCost = field(default_factory=ForwardCost)
     draft_step: ForwardCost = field(default_factory=ForwardCost)
     draft_rows: ForwardCost = field(default_factory=ForwardCost)
-    draft_setup: Ema = field(default_factory=Ema)
+    draft_read: ReadCost = field(default_factory=ReadCost)
     regret: Regret = field(default_factory=Regret)
     acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
+    calibration: DecayedAcceptance | None = None
     emas: dict[str, Ema] = field(default_factory=dict)
 
     def source(self, key: tuple[str, int], prior: float, weight: float = 2.0, decay: float = 1.0,
@@ -362,6 +525,13 @@ class Estimates:
 
     def ema(self, name: str) -> Ema:
         return self.emas.setdefault(name, Ema())
+
+    def confidence_bins(self, bins: int, decay: float = 1.0) -> DecayedAcceptance:
+        """P(a draft token is accepted) per bin of the draft's own confidence in it (no prior of its own: each
+        lookup gives the bin's confidence as the prior), made on first use."""
+        if self.calibration is None:
+            self.calibration = DecayedAcceptance(prior=0.0, decay=decay, slots=bins)
+        return self.calibration
 
     def draft_seconds(self, rows: int) -> float | None:
         """Seconds of one draft step over ``rows`` rows: measured at that many, or the most rows measured scaled

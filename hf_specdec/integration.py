@@ -24,6 +24,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 
 from . import cache as kv
 from .config import LookaheadConfig, SpecConfig
+from .costmodel import Estimates
 from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.lookahead import LookaheadDrafter
@@ -76,11 +77,13 @@ def speculative_generate(
         check_supported(draft_model, "speculative", rows, role="draft")
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
-    estimates = speculative_memory.estimates(draft_model) if speculative_memory is not None else None
+    estimates = speculative_memory.estimates(draft_model) if speculative_memory is not None else Estimates()
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
     else:
         _check_same_family(model, draft_model)
+        if estimates.draft_read.prior is None:
+            estimates.draft_read.prior = compute_share(draft_model, model)
         inputs.vocab_size = min(inputs.vocab_size, vocab_size(draft_model))
         drafter = ChainDrafter(
             DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
@@ -153,6 +156,18 @@ def vocab_size(model) -> int:
     """Rows of the output layer (the logits a model computes); the config's vocab_size without one."""
     head = model.get_output_embeddings()
     return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+
+
+def compute_share(draft_model, model) -> float:
+    """The draft's share of the target's compute per token: its parameters over the target's, embeddings
+    excluded (a lookup, not a product). The prior of the draft's prompt read as a share of the target's
+    (``costmodel.ReadCost``) until a read was timed."""
+    def count(m) -> int:
+        if hasattr(m, "num_parameters"):
+            return int(m.num_parameters(exclude_embeddings=True))
+        return sum(p.numel() for p in m.parameters())
+
+    return count(draft_model) / max(1, count(model))
 
 
 def _check_same_family(model, draft_model) -> None:

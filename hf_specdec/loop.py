@@ -1,6 +1,7 @@
 """The single decoding loop every mode shares, for one prompt or a batch of them.
 
-    prefill the target over the (left-padded) prompts, emit each row's first token, prefill the drafter
+    prefill the target over the (left-padded) prompts, emit each row's first token, the policy learns what that
+    read cost (a draft model's read of the same prompts is priced from it), prefill the drafter
     repeat until every row has stopped:
       1. offer     the drafter says, per row, what it could propose (``round.Offer``)
       2. plan      the policy sizes each row's round (``round.RoundPlan``; nothing in it = a plain step)
@@ -10,7 +11,8 @@
       5. verify    logits processors at every node, each with its own prefix; ``verify.py`` picks each row's path
       6. keep      the cache keeps each row's accepted path only (a crop for one row's chain)
       7. emit      each row's tokens are cut at its first stop, streamed (one row) and appended
-      8. learn     one ``RoundOutcome`` per row to ``stats.record``, ``policy.observe`` and ``drafter.update``;
+      8. learn     one ``RoundOutcome`` per row (with the plan it followed) to ``stats.record``,
+                   ``policy.observe`` and ``drafter.update``;
                    rows that stopped leave the batch
 
 The invariant between rounds: each row's cache holds its committed tokens except the last one, which is the
@@ -95,7 +97,9 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     cache = kv.RowCache(inputs.target, inputs.attention)
     rows = _rows(inputs)
     _prefill(inputs, cache, rows, emitter, scores_out)
-    stats.record_prefill(time.perf_counter() - start, emitted=len(rows))
+    prefill_seconds = time.perf_counter() - start
+    stats.record_prefill(prefill_seconds, emitted=len(rows))
+    policy.observe_prefill(int(inputs.input_ids.numel()), prefill_seconds)
     active = _leave(cache, rows)
     if active:
         drafter = _guarded(drafter.prefill, [row.view(inputs.max_length) for row in active], drafter, stats)
@@ -104,7 +108,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
         views = [row.view(inputs.max_length) for row in active]
         # 1-3. offer, plan, propose
         try:
-            proposals = drafter.propose(views, policy.plan(views, drafter.offer(views)))
+            plans = policy.plan(views, drafter.offer(views))
+            proposals = drafter.propose(views, plans)
         except Exception as error:  # noqa: BLE001 - only out of memory is handled, the rest re-raised
             drafter = _drop_drafter(error, drafter, stats)
             continue
@@ -119,8 +124,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
             policy, drafter = _shrink(error, policy, drafter, proposals, stats)
             continue
         # 7. emit
-        outcomes = [_emit(inputs, emitter, scores_out, row, outcome, row_scores)
-                    for row, outcome, row_scores in zip(active, outcomes, scores)]
+        outcomes = [_emit(inputs, emitter, scores_out, row, dataclasses.replace(outcome, plan=plan), row_scores)
+                    for row, outcome, plan, row_scores in zip(active, outcomes, plans, scores)]
         # 8. learn
         stats.record(outcomes)
         policy.observe(outcomes)

@@ -63,13 +63,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Callable, Protocol, Sequence
 
 from .config import LookaheadConfig, SpecConfig
-from .costmodel import DecayedAcceptance, Estimates, Regret, best_count, prefix_gains
+from .costmodel import Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, prefix_gains
 from .layout import merge_candidates
-from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView
+from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind, prior_acceptance
 
 PLAIN = RoundPlan()
 
@@ -81,8 +80,11 @@ class Policy(Protocol):
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Learn from one round: one outcome per row."""
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The target read the call's prompts (``tokens``: rows x padded width) in ``seconds`` (round 0)."""
 
-def judged_slots(outcomes: Sequence[RoundOutcome], kind: str) -> list[tuple[int, bool]]:
+
+def judged_slots(outcomes: Sequence[RoundOutcome], kind: SourceKind) -> list[tuple[int, bool]]:
     """(position, kept) of every judged token offered by a source of this ``kind`` (see ``Source``), all rows."""
     slots = []
     for outcome in outcomes:
@@ -109,6 +111,9 @@ class FixedPolicy:
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         pass
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        pass
+
 
 class HeuristicPolicy(FixedPolicy):
     """+2 after a round in which every row kept all it drafted, else -1 (one k for the batch)."""
@@ -129,9 +134,9 @@ class HeuristicPolicy(FixedPolicy):
 class AdaptiveChainRule:
     """The in-round rules of one adaptive round, over a snapshot of the estimates (see the module docstring).
 
-    t_step: t(n) for n = 1.. (index n - 1), flat past the largest measured size (and past the largest measured
-    here over seeded sizes, while the regret budget covers them: ``AdaptivePolicy._t_in_round``); t_extrapolated:
-    t(n) extrapolated; bin_kept / bin_judged: the confidence calibration counts; lookup_rates: b_1..b_m.
+    t_step: the round's price (``ForwardPrice``, ``Bound.EXPECTED``) of a forward over n = 1.. inputs (index
+    n - 1); t_extrapolated: the same at ``Bound.WORST``; bin_kept / bin_judged: the confidence calibration counts;
+    lookup_rates: b_1..b_m.
     """
 
     t_draft: float | None
@@ -188,6 +193,55 @@ class AdaptiveChainRule:
         return best_count(gains, seconds, base=emitted)
 
 
+READ_NOT_REPAID = "draft prompt read not repaid"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``AdaptivePolicy`` decided for a round before per-row details: k (0: a plain step), whether it is a
+    probe, and why a plain step was chosen."""
+
+    k: int
+    probe: bool = False
+    why: str = ""
+
+
+class Exploration:
+    """When speculation that does not pay is tried again: the regret account and the probe schedule, in one place.
+
+    A probe drafts although the estimates say it does not pay, so that they can recover when the text becomes
+    predictable again. One is due every ``interval`` plain rounds in a row, and it runs only while what it may
+    lose fits in the regret budget (``Regret``); each probe after which drafting still does not pay doubles the
+    interval, and a round that drafts because it pays resets it. Queries (``due``, ``regret.allows``) never
+    change state; ``observe`` does, once per round.
+
+    >>> exploration = Exploration(Regret(0.03), interval=2)
+    >>> exploration.observe(drafted=False, probe=False, pays=False); exploration.due()
+    False
+    >>> exploration.observe(drafted=False, probe=False, pays=False); exploration.due()
+    True
+    >>> exploration.observe(drafted=True, probe=True, pays=False); exploration.interval  # the probe did not pay
+    4
+    """
+
+    MAX_INTERVAL = 1024
+
+    def __init__(self, regret: Regret, interval: int) -> None:
+        self.regret, self.start_interval, self.interval = regret, interval, interval
+        self.plain_in_a_row = 0
+
+    def due(self) -> bool:
+        return self.plain_in_a_row >= self.interval
+
+    def observe(self, drafted: bool, probe: bool, pays: bool) -> None:
+        """One round: did it draft, was it a probe, does drafting pay now that it was learned from."""
+        self.plain_in_a_row = 0 if drafted else self.plain_in_a_row + 1
+        if probe and not pays:
+            self.interval = min(self.MAX_INTERVAL, 2 * self.interval)
+        elif drafted:
+            self.interval = self.start_interval
+
+
 class AdaptivePolicy:
     """k from expected tokens per second; an in-round confidence stop; prompt-lookup tails and lookup-only
     rounds (module docstring)."""
@@ -198,187 +252,173 @@ class AdaptivePolicy:
 
     def __init__(self, config: SpecConfig, estimates: Estimates | None = None) -> None:
         self.config = config
-        self.rows = 1  # rows in the batch this round: a forward over n inputs per row reads rows * n
         self.max_k = config.max_draft_tokens
         self.estimates = estimates if estimates is not None else Estimates()
         # P(draft position i accepted | the ones before were): Beta(2, 1) prior; lookup tokens: Beta(1, 1)
-        self.draft = self.estimates.source(("draft", 0), prior=2 / 3, weight=3.0, decay=config.decay,
-                                           slots=self.max_k)
-        self.lookup = self.estimates.source(("lookup", 0), prior=0.5, decay=config.decay, slots=self.MAX_LOOKUP)
-        self.calibration = self.estimates.source(("confidence", 0), prior=0.0, decay=config.decay,
-                                                 slots=self.NUM_BINS)
-        self.plain_rounds_in_a_row = 0
+        self.draft = self.estimates.source((SourceKind.DRAFT, 0), prior=prior_acceptance((SourceKind.DRAFT, 0)),
+                                           weight=3.0, decay=config.decay, slots=self.max_k)
+        self.lookup = self.estimates.source((SourceKind.LOOKUP, 0), prior=prior_acceptance((SourceKind.LOOKUP, 0)),
+                                            decay=config.decay, slots=self.MAX_LOOKUP)
+        self.calibration = self.estimates.confidence_bins(self.NUM_BINS, decay=config.decay)
         # what probing lost against plain decoding in this call: a probe pays the draft's prompt read, and credit
         # earned at other batch sizes or prompts says nothing of that bet (carried, it paid a read at B = 8)
-        self.regret = Regret(config.max_regret)
-        self.probe_interval = config.probe_interval  # doubles after each probe that did not pay
-        self.probed = False  # the last drafting round was a probe
-        self.setup_tokens = 0  # tokens the draft reads before the round planned last (its prompts), to learn from
+        self.exploration = Exploration(Regret(config.max_regret), config.probe_interval)
+        self.estimates.draft_read.start_call()
+        self.prefill: tuple[int, float] | None = None  # (tokens, seconds) of the target's read of this call's prompts
 
-    # -- estimates ----------------------------------------------------------------------------------------------
-    def _t(self, n: int, extrapolate: bool = False) -> float | None:
-        """Seconds of a forward over n inputs per row (every row's)."""
-        return self.estimates.forward.estimate(self.rows * n, extrapolate)
+    @property
+    def regret(self) -> Regret:
+        return self.exploration.regret
 
-    def _t_draft(self) -> float | None:
-        """Seconds of one draft step over this round's rows (``Estimates.draft_seconds``); None before any."""
-        return self.estimates.draft_seconds(self.rows)
+    # -- prices -------------------------------------------------------------------------------------------------
+    def price(self, rows: int = 1) -> ForwardPrice:
+        """The one price of this round's forward for ``rows`` rows (``costmodel.ForwardPrice``)."""
+        return ForwardPrice(self.estimates.forward, rows, self.regret.allowance(), self.estimates.draft_seconds(rows))
 
-    def _draft_round_seconds(self, k: int, extrapolate: bool = False) -> float | None:
-        """T(k) = k t_d + t(k + 1); None while either is unmeasured."""
-        t_d, t_v = self._t_draft(), self._t(k + 1, extrapolate)
-        if t_v is None or (k > 0 and t_d is None):
-            return None
-        return k * (t_d or 0.0) + t_v
+    def read_seconds(self, setup_tokens: int) -> float:
+        """What the draft reading ``setup_tokens`` prompt tokens would cost: its learned share of the target's
+        read of this call's prompts, per token past them (0 once read, or while nothing prices it: the first call
+        that drafts measures it)."""
+        if not setup_tokens or self.prefill is None:
+            return 0.0
+        tokens, seconds = self.prefill
+        return self.estimates.draft_read.estimate(seconds * max(1.0, setup_tokens / max(tokens, 1))) or 0.0
 
-    def _best_draft_rate(self) -> float:
+    def _best_draft_rate(self, price: ForwardPrice) -> float:
         """The best expected tokens per second of a round that drafts 1..max_k tokens."""
         gains = prefix_gains(self.draft.rates(self.max_k))
-        rates = [(1 + sum(gains[:k])) / t for k in range(1, self.max_k + 1)
-                 if (t := self._draft_round_seconds(k)) is not None]
+        rates = [(1 + sum(gains[:k])) / t for k in range(1, self.max_k + 1) if (t := price.round(k)) is not None]
         return max(rates, default=0.0)
 
-    def _prefer_lookup(self, num_lookup: int) -> bool:
+    def _prefer_lookup(self, price: ForwardPrice, num_lookup: int) -> bool:
         """Is a round of ``num_lookup`` prompt-lookup tokens alone (no draft forward) worth more per second than
         the best draft round? (Copying the input, as in edits, the draft is not needed.)"""
-        t_v = self._t(num_lookup + 1, extrapolate=True)
+        t_v = price(num_lookup + 1, Bound.WORST)
         if t_v is None:
             return False
-        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate()
+        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate(price)
 
-    def _t_in_round(self, n: int) -> float | None:
-        """t(n) for the in-round rule. Past the largest size measured here, a size priced only by its seed (the
-        hardware profile) is priced as the measured curve continues, flat, when what that could lose against the
-        seed's price fits in what the regret budget has left: the round then measures it. (A profile that
-        overpriced a size would otherwise keep rounds from ever reaching it and learning its real cost.)"""
-        t = self._t(n)
-        measured = self.estimates.forward.measured_only()
-        if t is None or not measured.largest or self.rows * n <= measured.largest:
-            return t
-        optimistic = measured.estimate(self.rows * n)
-        return optimistic if t - optimistic <= self.regret.allowance() else t
-
-    def rule(self) -> AdaptiveChainRule:
+    def rule(self, price: ForwardPrice | None = None) -> AdaptiveChainRule:
+        price = price if price is not None else self.price()
         longest = self.max_k + 2 + self.MAX_LOOKUP
+        lookup = self.config.history_lookup and price.rows == 1
         return AdaptiveChainRule(
-            t_draft=self._t_draft(),
-            t_step=tuple(self._t_in_round(n) for n in range(1, longest + 1)),
-            t_extrapolated=tuple(self._t(n, extrapolate=True) for n in range(1, longest + 1)),
+            t_draft=price.t_draft, t_step=price.table(longest), t_extrapolated=price.table(longest, Bound.WORST),
             bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
-            lookup_rates=tuple(self.lookup.rates(self.MAX_LOOKUP)) if self._lookup() else (),
-            confidence_stop=self._confidence_stop(), max_tokens=self.max_k,
+            lookup_rates=tuple(self.lookup.rates(self.MAX_LOOKUP)) if lookup else (),
+            confidence_stop=self._confidence_stop(price.rows), max_tokens=self.max_k,
         )
 
-    # -- decisions ----------------------------------------------------------------------------------------------
+    # -- decisions (queries: nothing here changes state) ----------------------------------------------------------
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
-        self.rows = len(views)
+        rows = len(views)
+        price = self.price(rows)
         room = [view.budget for view in views]
         budget = min(self.max_k, max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
-        if self.rows > 1:  # a B x (k + 1) forward grows with B long before it does at B = 1: never price it from
-            # a flat extrapolation; rounds grow to at most twice the largest forward measured so far
-            budget = min(budget, max(1, 2 * self.estimates.forward.largest // self.rows - 1))
-        self.setup_tokens = sum(offer.setup_tokens for offer in offers)
-        k = self._draft_length(budget, remaining=max(room, default=0))
-        if k == 0:
-            return [PLAIN] * len(views)
-        if self._t_draft() is None:  # t_d unknown: draft the starting k once, measure it
-            return [RoundPlan(model_tokens=min(k, r), max_tokens=r) for r in room]
-        rule, plans = self.rule(), []
+        if rows > 1:  # a B x (k + 1) forward grows with B long before it does at B = 1: rounds grow to at most
+            # twice the largest forward measured so far
+            budget = min(budget, max(1, 2 * self.estimates.forward.largest // rows - 1))
+        decision = self.decide(price, budget, max(room, default=0), sum(offer.setup_tokens for offer in offers))
+        if decision.k == 0:
+            return [RoundPlan(max_tokens=r, why=decision.why) for r in room]
+        if price.t_draft is None:  # t_d unknown: draft the starting k once, measure it
+            return [RoundPlan(model_tokens=min(decision.k, r), max_tokens=r, probe=decision.probe) for r in room]
+        rule, plans = self.rule(price), []
+        lookup = self.config.history_lookup and rows == 1
         for view, offer in zip(views, offers):
-            leading = next((c for c in offer.candidates if c.source == ("lookup", 0)), None)
-            if (self._lookup() and leading is not None
-                    and self._prefer_lookup(len(leading.tokens[: self.LEADING_LOOKUP]))):
+            leading = next((c for c in offer.candidates if c.source == (SourceKind.LOOKUP, 0)), None)
+            if lookup and leading is not None and self._prefer_lookup(price, len(leading.tokens[: self.LEADING_LOOKUP])):
                 plans.append(RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
                                        max_tokens=view.budget))
             else:
-                plans.append(RoundPlan(model_tokens=min(k, view.budget, offer.model_tokens), max_tokens=view.budget,
-                                       rule=rule))
+                plans.append(RoundPlan(model_tokens=min(decision.k, view.budget, offer.model_tokens),
+                                       max_tokens=view.budget, rule=rule, probe=decision.probe))
         return plans
 
-    def _setup_seconds(self) -> float:
-        """What the draft reading its prompts before this round would cost (0 once read, or while unmeasured: the
-        first call that drafts measures it)."""
-        per_token = self.estimates.draft_setup.value
-        return 0.0 if per_token is None else per_token * self.setup_tokens
+    def _saved(self, price: ForwardPrice, k: int, gains: Sequence[float], remaining: int) -> float:
+        """Seconds drafting k a round saves over the ``remaining`` tokens against plain steps, every row advancing
+        together: remaining x (t(1) - T(k) / E[tokens a round]), T(k) at its worst (the read cannot be undone)."""
+        return remaining * (price.step() - price.round(k, bound=Bound.WORST) / (1 + sum(gains[:k])))
 
-    def _repays_setup(self, k: int, gains: Sequence[float], remaining: int) -> bool:
-        """Does drafting k a round for the ``remaining`` tokens save ``setup_margin`` times what the draft's prompt
-        read costs? Saved: remaining x (t(1) - T(k) / E[tokens a round]), every row advancing together.
+    def decide(self, price: ForwardPrice, budget: int, remaining: int, setup_tokens: int) -> Decision:
+        """The most draft-model tokens this round: 0 (a plain step, with why) while t(1) or the draft's worth is
+        unknown or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens cannot
+        repay ``setup_margin`` times reading them; with ``confidence_stop`` the cap (the in-round rule decides),
+        else k*.
 
-        >>> policy = AdaptivePolicy(SpecConfig())  # setup_margin=2.0
+        >>> policy = AdaptivePolicy(SpecConfig(confidence_stop=False))  # setup_margin=2.0
         >>> policy.estimates.forward.observe(1, 0.10); policy.estimates.forward.observe(4, 0.12)
-        >>> policy.estimates.draft_step.observe(1, 0.02); policy.estimates.draft_setup.update(0.01)
-        >>> policy.setup_tokens = 200  # 2 s to read the prompt; a round of 3 saves 0.1 - 0.18 / 2.5 = 0.028 s a token
-        >>> [policy._repays_setup(3, [0.6, 0.5, 0.4], remaining) for remaining in (64, 128, 256)]
-        [False, False, True]
+        >>> policy.estimates.draft_step.observe(1, 0.02); policy.estimates.draft_read.ratio.update(0.25)
+        >>> policy.observe_prefill(tokens=200, seconds=4.0)  # the draft would read it in 1 s
+        >>> [policy.decide(policy.price(), 3, remaining, 200).k for remaining in (64, 128)]  # k* = 2 a round
+        [0, 2]
+        >>> policy.decide(policy.price(), 3, 64, 200).why
+        'draft prompt read not repaid: 1.00 s to read, ~1.75 s saved over the 64 tokens left'
         """
-        setup = self._setup_seconds()
-        if setup == 0.0:
-            return True
-        # the read cannot be undone: T(k) past the largest forward measured continues its slope (not flat)
-        saved_per_token = self._t(1) - self._draft_round_seconds(k, extrapolate=True) / (1 + sum(gains[:k]))
-        return remaining * saved_per_token > self.config.setup_margin * setup
-
-    def _draft_length(self, budget: int, remaining: int) -> int:
-        """The most draft-model tokens this round: 0 (a plain step) while t(1) or the draft's worth is unknown
-        or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens cannot
-        repay reading them; with ``confidence_stop`` the cap (the in-round rule decides),
-        else k*."""
-        if budget <= 0 or not self.estimates.forward.measured(self.rows):  # a plain step first: the reference
-            return 0
-        if self._t_draft() is None:
-            return min(self.config.num_draft_tokens, budget)
+        if budget <= 0:
+            return Decision(0, why="no room left: the length limit")
+        if not self.estimates.forward.measured(price.rows):
+            return Decision(0, why="a plain step first: the reference of every other size")
+        if price.t_draft is None:
+            return Decision(min(self.config.num_draft_tokens, budget))
         gains = prefix_gains(self.draft.rates(budget))
-        best_k = best_count(gains, self._draft_round_seconds, budget)
-        if best_k > 0 and not self._repays_setup(best_k, gains, remaining):
-            return 0  # speculation would pay per round, but not enough to repay the draft's prompt read
+        best_k = best_count(gains, price.round, budget)
+        read = self.read_seconds(setup_tokens)
         if best_k > 0:
-            self.probe_interval, self.probed = self.config.probe_interval, False
-        elif self.probed:  # the last probe did not turn speculation back on: wait twice as long next time
-            self.probe_interval, self.probed = min(1024, 2 * self.probe_interval), False
-        if best_k == 0 and self.plain_rounds_in_a_row >= self.probe_interval and self.regret.allows(
-                self._draft_round_seconds(1) - self._t(1) + self._setup_seconds()):
-            best_k = 1 + best_count(gains[1:], lambda n: self._draft_round_seconds(n + 1), budget - 1,
-                                    base=1 + gains[0])  # probe: the best round that drafts at all
-            self.probed = True
-        if best_k == 0:
-            return 0
-        # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which sees
-        # each token's confidence, decides where it stops
-        return budget if self._confidence_stop() else best_k
+            saved = self._saved(price, best_k, gains, remaining) if read else 0.0
+            if read and saved <= self.config.setup_margin * read:
+                return Decision(0, why=f"{READ_NOT_REPAID}: {read:.2f} s to read, ~{saved:.2f} s saved "
+                                       f"over the {remaining} tokens left")
+            # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which
+            # sees each token's confidence, decides where it stops
+            return Decision(budget if self._confidence_stop(price.rows) else best_k)
+        step, one = price.step(), price.round(1)
+        if self.exploration.due() and one is not None and self.regret.allows(one - step + read):
+            probe = 1 + best_count(gains[1:], lambda n: price.round(n + 1), budget - 1, base=1 + gains[0])
+            return Decision(probe, probe=True)  # the best round that drafts at all
+        return Decision(0, why=f"drafting does not pay: {self._best_draft_rate(price):.1f} tok/s expected, "
+                               f"{1 / step if step else 0.0:.1f} plain")
 
     # The confidence stop and prompt lookup (tails, lookup-only rounds) size each row apart, which pays for one
     # row. In a batch the draft steps until its longest row stops and the forward is padded to its widest row,
-    # so one k for the batch (k*) measured faster at every B > 1 (bench/batch.py, HumanEval, Intel Xeon with
-    # AMX: 1.28x against 1.08x plain at B = 4, 0.98x against 0.78x at B = 8; earlier sessions alike at B = 2).
-    def _confidence_stop(self) -> bool:
-        return self.config.confidence_stop and self.rows == 1
-
-    def _lookup(self) -> bool:
-        return self.config.history_lookup and self.rows == 1
+    # so one k for the batch (k*) measured faster at every B > 1 (docs/benchmarks.md, batch runs).
+    def _confidence_stop(self, rows: int) -> bool:
+        return self.config.confidence_stop and rows == 1
 
     # -- learning -----------------------------------------------------------------------------------------------
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The target read this call's prompts (``tokens``, every row's padded width) in ``seconds``."""
+        self.prefill = (int(tokens), float(seconds))
+
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         first = outcomes[0]
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
         _observe_regret(self.regret, self.estimates, outcomes)
-        lookup = judged_slots(outcomes, "lookup")
+        lookup = judged_slots(outcomes, SourceKind.LOOKUP)
         if lookup:
             self.lookup.observe_slots(lookup)
         forwards = max(outcome.proposal.draft_forwards for outcome in outcomes)
-        if not forwards:
-            self.plain_rounds_in_a_row += 1
-            return
-        self.plain_rounds_in_a_row = 0
-        setup = sum(outcome.proposal.setup_time for outcome in outcomes)
-        if setup > 0 and self.setup_tokens:
-            self.estimates.draft_setup.update(setup / self.setup_tokens)
-        drafting = sum(outcome.proposal.draft_time for outcome in outcomes)  # the batch's, over its rows
+        probe = any(outcome.plan.probe for outcome in outcomes)
+        if any(outcome.plan.why.startswith(READ_NOT_REPAID) for outcome in outcomes):
+            self.estimates.draft_read.blocked = True
+        if forwards:
+            self._observe_draft(outcomes, forwards)
+        pays = probe and best_count(prefix_gains(self.draft.rates(self.max_k)), self.price(len(outcomes)).round,
+                                    self.max_k) > 0
+        self.exploration.observe(drafted=bool(forwards), probe=probe, pays=pays)
+
+    def _observe_draft(self, outcomes: Sequence[RoundOutcome], forwards: int) -> None:
+        proposals = [outcome.proposal for outcome in outcomes]
+        setup, setup_tokens = sum(p.setup_time for p in proposals), sum(p.setup_tokens for p in proposals)
+        if setup > 0 and setup_tokens and self.prefill is not None:
+            tokens, seconds = self.prefill
+            self.estimates.draft_read.observe(setup, seconds * max(1.0, setup_tokens / max(tokens, 1)))
+        drafting = sum(p.draft_time for p in proposals)  # the batch's, over its rows
         self.estimates.draft_step.observe(len(outcomes), drafting / forwards)
-        self.draft.observe_slots(judged_slots(outcomes, "draft"))
+        self.draft.observe_slots(judged_slots(outcomes, SourceKind.DRAFT))
         bins = []
         for outcome in outcomes:
-            drafted = judged_slots([outcome], "draft")
+            drafted = judged_slots([outcome], SourceKind.DRAFT)
             bins += [(min(int(c * self.NUM_BINS), self.NUM_BINS - 1) + 1, kept)
                      for c, (_, kept) in zip(outcome.proposal.confidences, drafted)]
         self.calibration.observe_slots(bins)
@@ -430,6 +470,9 @@ class CappedPolicy:
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         self.policy.observe(outcomes)
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.policy.observe_prefill(tokens, seconds)
+
 
 def make_policy(config: SpecConfig, estimates: Estimates | None = None) -> Policy:
     if config.policy == "fixed":
@@ -439,39 +482,9 @@ def make_policy(config: SpecConfig, estimates: Estimates | None = None) -> Polic
     return AdaptivePolicy(config, estimates)
 
 
-def speedup_bound(alpha: float, c: float, k: int) -> float:
-    """Leviathan et al. Thm 3.8: expected speedup for i.i.d. acceptance ``alpha``, cost ratio ``c``, flat v."""
-    if alpha >= 1.0:
-        return (k + 1) / (1 + k * c)
-    return (1 - math.pow(alpha, k + 1)) / ((1 - alpha) * (1 + k * c))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Lookahead: a trie of ready-made candidates and a Jacobi window
 # ----------------------------------------------------------------------------------------------------------------
-
-POOL = ("pool", 0)
-# Prior acceptance of each source's tokens (Beta prior of weight 2; see ``round.Source`` for the kinds).
-# Alternatives to a lookup's first continuation are learned apart: at most one of them can be right, and
-# counting them as likely as the first would credit a trie of many alternatives with more tokens than it can give.
-PRIOR_ACCEPTANCE = MappingProxyType({
-    POOL: 0.25,
-    **{("history", m): rate for m, rate in zip((1, 2, 3, 4), (0.3, 0.45, 0.6, 0.7))},
-    **{("memory", m): rate for m, rate in zip((1, 2, 3, 4), (0.15, 0.3, 0.45, 0.55))},
-    **{("history_alt", m): rate for m, rate in zip((1, 2, 3, 4), (0.1, 0.15, 0.2, 0.25))},
-    **{("memory_alt", m): rate for m, rate in zip((1, 2, 3, 4), (0.05, 0.1, 0.15, 0.2))},
-    **{("recycle", rank): rate for rank, rate in enumerate((0.3, 0.1, 0.05, 0.03))},
-    **{("recycle_second", rank): rate for rank, rate in enumerate((0.1, 0.05, 0.03))},
-})
-
-
-def prior_acceptance(key: tuple[str, int]) -> float:
-    """The prior of a source; variants past the table's last (a longer match, a lower rank) take its last."""
-    if key in PRIOR_ACCEPTANCE:
-        return PRIOR_ACCEPTANCE[key]
-    known = [variant for kind, variant in PRIOR_ACCEPTANCE if kind == key[0]]
-    return PRIOR_ACCEPTANCE[(key[0], max(known))] if known else 0.1
-
 
 def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[tuple[tuple[int, ...], float]]:
     """Every distinct prefix of the candidates with its gain, best first.
@@ -539,83 +552,71 @@ class TreePolicy:
     def __init__(self, config: LookaheadConfig, estimates: Estimates) -> None:
         self.config = config
         self.estimates = estimates
-        self.rows = 1  # rows in the batch this round
         self.regret = self.estimates.regret  # what guessing lost against plain decoding (earlier calls' at half)
         self.regret.start(config.max_regret)
-        self.rounds = 0
+        self.rounds = 0  # rounds observed
         self.last_plain_round = 0  # the round that last measured t(1)
-        self.offered: list[bool] = []  # per row of the round planned last: did the drafter offer any candidate
 
-    def acceptance(self, key: tuple[str, int]) -> DecayedAcceptance:
+    def acceptance(self, key: tuple[SourceKind, int]) -> DecayedAcceptance:
         return self.estimates.source(key, prior_acceptance(key), decay=self.config.acceptance_decay,
                                      slots=self.config.max_depth)
 
-    def _seconds(self, num_tokens: int) -> float:
-        """Seconds of a forward over ``num_tokens`` inputs per row (every row's). Past the largest size measured,
-        one row's forward is taken as flat (it is, up to a few dozen inputs, on every device measured: a larger
-        one is tried once, then known); a batch's continues its measured slope, since a B x n forward is far
-        past where t stays flat (at B = 8 on an Intel Xeon with AMX, bf16: 8 x 8 inputs cost 1.75 plain steps,
-        8 x 16 cost 2.45)."""
-        return self.estimates.forward.estimate(self.rows * num_tokens, extrapolate=self.rows > 1) or 0.0
+    def price(self, rows: int = 1) -> ForwardPrice:
+        """The one price of this round's forward for ``rows`` rows (``costmodel.ForwardPrice``)."""
+        return ForwardPrice(self.estimates.forward, rows, self.regret.allowance())
 
-    def _affordable(self, limit: int) -> int:
+    def _affordable(self, price: ForwardPrice, limit: int) -> int:
         """The widest forward (inputs per row, at most ``limit``) whose worst case stays within the regret budget.
 
-        At worst every guess is rejected and the round emits what a plain step does, so it loses t(n) - t(1).
-        Sizing each round by that, instead of guessing while the account is within budget, bounds the loss of
-        every call, not only its average: on a CPU where a forward over 24 inputs costs 3.2 plain steps (fp32
-        kernels limited to AVX2 on an Intel Xeon) one such round lost more than the whole 3% of a 64-token call
-        (cold lookahead 0.95x plain on one HumanEval prompt). Where t(n) is flat the first sizes are affordable
-        after a few plain steps, and every round that pays widens what the next may try. Sizes past the largest
-        measured continue its slope here (as a batch's do in ``_seconds``). 1: nothing is affordable, a plain
-        step earns the budget back."""
-        allowance, cost = self.regret.allowance(), self.estimates.forward
-        step = cost.estimate(self.rows) or 0.0
+        At worst every guess is rejected and the round emits what a plain step does, so it loses t(n) - t(1),
+        with t(n) at ``Bound.WORST``. Sizing each round by that, instead of guessing while the account is within
+        budget, bounds the loss of every call, not only its average (docs/benchmarks.md: one round over 24
+        inputs on a CPU without bf16 units lost more than a whole 64-token call's budget). Where t(n) is flat
+        the first sizes are affordable after a few plain steps, and every round that pays widens what the next
+        may try. 1: nothing is affordable, a plain step earns the budget back."""
+        allowance, step = price.allowance, price.step() or 0.0
 
         def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
-            return (cost.estimate(self.rows * n, extrapolate=True) or 0.0) - step > allowance
+            return (price(n, Bound.WORST) or 0.0) - step > allowance
 
         if limit <= 1 or not loses(limit):  # the usual case once guessing has paid: one estimate, not one a size
             return limit
         return next(n for n in range(2, limit + 1) if loses(n)) - 1
 
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
-        self.rows = len(views)
-        self.rounds += 1
-        self.offered = [bool(offer.candidates) for offer in offers]
-        if not self.estimates.forward.measured(self.rows):  # a plain step first: every other size is compared to it
-            self.last_plain_round = self.rounds
-            return [PLAIN] * len(views)
-        plans = self._plan_rows([view.budget for view in views], offers)
-        if all(plan.is_plain for plan in plans):
-            self.last_plain_round = self.rounds
-        return plans
+        rows = len(views)
+        if not self.estimates.forward.measured(rows):  # a plain step first: every other size is compared to it
+            return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
+                              why="a plain step first: the reference of every other size")
+                    for view, offer in zip(views, offers)]
+        return self._plan_rows(self.price(rows), [view.budget for view in views], offers)
 
-    def _plan_rows(self, budgets: Sequence[int], offers: Sequence[Offer]) -> list[RoundPlan]:
+    def _plan_rows(self, price: ForwardPrice, budgets: Sequence[int], offers: Sequence[Offer]) -> list[RoundPlan]:
         """One width for the batch: the forward is padded to its widest row, so a node in one row costs every row
         its slot. The i-th slot adds the sum over rows of each row's i-th best prefix gain, the round emits
         B + that sum in t(B (1 + n)), and n maximises the ratio (for one row, the row's own argmax)."""
-        config, cost = self.config, self.estimates.forward
+        config, cost, rows = self.config, self.estimates.forward, price.rows
+        seconds = lambda n: price(n) or 0.0  # noqa: E731 - the round's price, 0 before anything is measured
         # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
         # (from 8 inputs at B = 1, where t(1..8) is flat on every device measured; from the plain step at B > 1,
         # where a B x 8 forward is far past anything measured)
-        limit = min(config.max_forward_tokens, max(8 if self.rows == 1 else 1, 2 * cost.largest // self.rows))
+        limit = min(config.max_forward_tokens, max(8 if rows == 1 else 1, 2 * cost.largest // rows))
         auto = config.window == "auto" and config.max_candidates == "auto"
         if auto:
-            limit = self._affordable(limit)
+            limit = self._affordable(price, limit)
         candidates = [tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
                       for budget, offer in zip(budgets, offers)]
         chosen: list[tuple[Candidate, ...]] = [()] * len(offers)
         num_nodes = 0
         if config.max_candidates == "auto":
-            rates: dict[tuple[str, int], list[float]] = {}  # per source, to the deepest candidate: once a round
+            rates: dict[tuple[SourceKind, int], list[float]] = {}  # per source, to the deepest candidate: once a round
             for row in candidates:
                 for c in row:
                     if len(rates.get(c.source, ())) < len(c.tokens):
                         rates[c.source] = self.acceptance(c.source).rates(len(c.tokens))
             ranked = [rank_prefixes([(c.tokens, rates[c.source]) for c in row]) for row in candidates]
             slots = [sum(row[i][1] for row in ranked if i < len(row)) for i in range(max(map(len, ranked)))]
-            nodes = best_count(slots, lambda n: self._seconds(1 + n), limit - 1, base=float(len(offers)))
+            nodes = best_count(slots, lambda n: seconds(1 + n), limit - 1, base=float(len(offers)))
             chosen = [_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})
                       for row, prefixes in zip(candidates, ranked)]
             num_nodes = nodes  # best_count never goes past len(slots)
@@ -628,8 +629,8 @@ class TreePolicy:
             round_tokens = self.estimates.ema("round_tokens").value
             worth = min(config.window_tolerance,
                         (config.prior_pool_gain if pool_gain is None else pool_gain) / (round_tokens or 1.0))
-            extra = free_extra_tokens(self._seconds, used, limit - used, worth)
-            if used == 1 and self.rounds - self.last_plain_round >= config.remeasure_interval:
+            extra = free_extra_tokens(seconds, used, limit - used, worth)
+            if used == 1 and self.rounds + 1 - self.last_plain_round >= config.remeasure_interval:
                 extra = 0  # nothing to verify: a plain step, which keeps t(1), the reference of every size, fresh
             window, ngram = window_shape(extra)
             if config.ngram != "auto":
@@ -644,17 +645,24 @@ class TreePolicy:
             shape = (window, ngram)
             if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
                 shape = (1, 2)  # the window would run past the position table
-            plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape))
+            plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape, offered=bool(offer.candidates),
+                                   why="" if kept or shape != (1, 2) else "no guess worth its cost"))
         return plans
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Nothing to learn: lookahead has no draft model that would read the prompts."""
 
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Learn each source's acceptance per depth, what the pool adds, tokens per round, and the cost."""
         first = outcomes[0]
+        self.rounds += 1
+        if all(outcome.plan.is_plain for outcome in outcomes):
+            self.last_plain_round = self.rounds
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
         _observe_regret(self.regret, self.estimates, outcomes)
-        by_source: dict[tuple[str, int], list[tuple[int, bool]]] = {}
-        for outcome, offered in zip(outcomes, self.offered or [True] * len(outcomes)):
-            if offered:  # tokens per round of the rounds that had something to guess from, verified or not
+        by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
+        for outcome in outcomes:
+            if outcome.plan.offered:  # tokens per round of the rounds that had something to guess from, verified or not
                 self.estimates.ema("round_tokens").update(len(outcome.emitted))
             self._observe_row(outcome, by_source)
         for key, slots in by_source.items():  # counts fade once per candidate judged (one first token each)
@@ -673,6 +681,6 @@ class TreePolicy:
         depth_by = {True: 0, False: 0}
         for depth, node in enumerate(outcome.accepted, start=1):
             for source in proposal.sources[node]:
-                depth_by[source.key == POOL] = depth
-        if any(source.key == POOL for sources in proposal.sources for source in sources):
+                depth_by[source.kind == SourceKind.POOL] = depth
+        if any(source.kind == SourceKind.POOL for sources in proposal.sources for source in sources):
             self.estimates.ema("pool_gain").update(max(0, depth_by[True] - depth_by[False]))

@@ -13,13 +13,19 @@ A round is one target forward (see ``verify.py`` for the terms). It passes throu
 
 Worked example: a draft model drafts two tokens and prompt lookup appends one; the chain is a trie with one
 path, ``tokens=(7, 8, 9)``, ``parents=(-1, 0, 1)``, ``sources`` one per token
-(``Source("draft", 0, 1)``, ``Source("draft", 0, 2)``, ``Source("lookup", 0, 1)``). If the target keeps 7 and 8
+(``Source(DRAFT, 0, 1)``, ``Source(DRAFT, 0, 2)``, ``Source(LOOKUP, 0, 1)``). If the target keeps 7 and 8
 and then wants 4, the outcome has ``accepted=(0, 1)`` (node ids) and ``next_token=4``: the round emitted 7, 8, 4.
+
+Every guess names its source by a ``SourceKind``: the planner learns acceptance per (kind, variant, depth), the
+stats count what the draft model proposed apart from what lookups proposed, and a kind that is not one of these
+cannot exist.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple, Protocol, Sequence
 
 import torch
@@ -36,23 +42,71 @@ class RowView:
     budget: int
 
 
+class SourceKind(enum.StrEnum):
+    """Where a guess came from (its acceptance is learned by kind and variant; see ``Source``)."""
+
+    DRAFT = "draft"  # the draft model
+    LOOKUP = "lookup"  # prompt lookup after (or instead of) the draft model's tokens
+    HISTORY = "history"  # lookahead: prompt lookup in this call's text, the first continuation found
+    MEMORY = "memory"  # lookahead: prompt lookup in earlier calls' text (``LookaheadMemory``)
+    HISTORY_ALT = "history_alt"  # the other continuations the same lookup found (at most one can be right)
+    MEMORY_ALT = "memory_alt"
+    POOL = "pool"  # the Jacobi window's n-gram pool
+    RECYCLE = "recycle"  # the target's own earlier top choices (Token Recycling), by rank
+    RECYCLE_SECOND = "recycle_second"  # its second choices after the first one, by rank
+
+    @property
+    def model_drafted(self) -> bool:
+        """Did a draft model produce it (else a lookup of text or earlier choices, which costs no forward)?"""
+        return self is SourceKind.DRAFT
+
+    def alternative(self) -> "SourceKind":
+        """The kind of a lookup's other continuations (``HISTORY`` -> ``HISTORY_ALT``)."""
+        return {SourceKind.HISTORY: SourceKind.HISTORY_ALT, SourceKind.MEMORY: SourceKind.MEMORY_ALT}[self]
+
+
+# Prior acceptance of each source's first guesses, per variant (Beta prior; the planner learns from it). A variant
+# past a kind's last takes its last (a longer match, a lower rank). Every kind has one: ``prior_acceptance`` never
+# guesses. Alternatives to a lookup's first continuation are learned apart: at most one of them can be right, and
+# counting them as likely as the first would credit a trie of many alternatives with more tokens than it can give.
+PRIOR_ACCEPTANCE = MappingProxyType({
+    SourceKind.DRAFT: (2 / 3,),  # Beta(2, 1): a draft of the same family agrees more often than not
+    SourceKind.LOOKUP: (0.5,),
+    SourceKind.POOL: (0.25,),
+    SourceKind.HISTORY: (0.3, 0.3, 0.45, 0.6, 0.7),  # by the length of the match (variant 0 unused)
+    SourceKind.MEMORY: (0.15, 0.15, 0.3, 0.45, 0.55),
+    SourceKind.HISTORY_ALT: (0.1, 0.1, 0.15, 0.2, 0.25),
+    SourceKind.MEMORY_ALT: (0.05, 0.05, 0.1, 0.15, 0.2),
+    SourceKind.RECYCLE: (0.3, 0.1, 0.05, 0.03),  # by rank
+    SourceKind.RECYCLE_SECOND: (0.1, 0.05, 0.03),
+})
+
+
+def prior_acceptance(key: tuple[SourceKind, int]) -> float:
+    """The prior of a source ``(kind, variant)``.
+
+    >>> prior_acceptance((SourceKind.HISTORY, 2)), prior_acceptance((SourceKind.HISTORY, 9))
+    (0.45, 0.7)
+    """
+    kind, variant = key
+    table = PRIOR_ACCEPTANCE[SourceKind(kind)]
+    return table[min(variant, len(table) - 1)]
+
+
 class Source(NamedTuple):
     """Where a guess came from, which is what its acceptance is learned by.
 
-    kind: ``"draft"`` (the draft model), ``"lookup"`` (prompt lookup after or instead of the draft model),
-        ``"history"`` / ``"memory"`` (lookahead's prompt lookup in this call's text / earlier calls' text),
-        ``"history_alt"`` / ``"memory_alt"`` (the other continuations the same lookup found), ``"pool"`` (the
-        Jacobi window's n-gram pool), ``"recycle"`` / ``"recycle_second"`` (the target's own earlier choices).
+    kind: a ``SourceKind``.
     variant: how much context matched (lookups), the rank of a recycled choice, else 0.
     position: 1-based position of the token within the candidate that offered it.
     """
 
-    kind: str
+    kind: SourceKind
     variant: int
     position: int
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> tuple[SourceKind, int]:
         return self.kind, self.variant
 
 
@@ -60,7 +114,7 @@ class Candidate(NamedTuple):
     """A ready-made continuation of the committed tokens, with where it came from (``source``: kind, variant)."""
 
     tokens: tuple[int, ...]
-    source: tuple[str, int]
+    source: tuple[SourceKind, int]
 
 
 @dataclass(frozen=True)
@@ -95,6 +149,9 @@ class RoundPlan:
     candidates: the ready-made candidates (or prefixes of them) to verify, best first; their merged trie is the
         proposal when ``model_tokens`` is 0.
     window: (W, N) of the Jacobi window; (1, 2) is no window.
+    probe: the round guesses although the estimates say it does not pay, to measure again (a bounded probe).
+    offered: the drafter offered ready-made candidates to choose from (chosen or not).
+    why: for a plain round, why the planner chose it (the stats count the reasons; empty otherwise).
     """
 
     model_tokens: int = 0
@@ -102,6 +159,9 @@ class RoundPlan:
     rule: ChainRule | None = None
     candidates: tuple[Candidate, ...] = ()
     window: tuple[int, int] = (1, 2)
+    probe: bool = False
+    offered: bool = False
+    why: str = ""
 
     @property
     def is_plain(self) -> bool:
@@ -140,7 +200,8 @@ class Proposal:
     extra: inputs the drafter wants read but not verified (the Jacobi window), or None;
     top_k: how many of the target's top choices after each computed row the drafter wants back (0: none);
     draft_time / draft_forwards: seconds spent proposing and draft-model forwards run (the per-round cost);
-    setup_time: one-off seconds before it (the draft model reading the prompt the first time it is used).
+    setup_time / setup_tokens: one-off seconds before it and the tokens read in them (the draft model reading the
+    prompts the first time it is used; the tokens of the left-padded batch, padding included).
     """
 
     tokens: tuple[int, ...] = ()
@@ -153,6 +214,7 @@ class Proposal:
     draft_time: float = 0.0
     draft_forwards: int = 0
     setup_time: float = 0.0
+    setup_tokens: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -205,7 +267,8 @@ class RoundOutcome:
     extra_next: [r] the target's choice after each read extra input; top_inputs: [R] the inputs whose top
     choices were computed (the last token, the nodes, the read extras) and top_next: [R, K] those choices
     (both None unless the proposal asked for ``top_k``); row: the row's index in the caller's batch; finished:
-    the row stopped this round (EOS, a stop string, a criterion or the length limit); rows: rows in the forward.
+    the row stopped this round (EOS, a stop string, a criterion or the length limit); rows: rows in the forward;
+    plan: the plan the round followed.
     """
 
     proposal: Proposal
@@ -221,6 +284,7 @@ class RoundOutcome:
     row: int = 0
     finished: bool = False
     rows: int = 1
+    plan: RoundPlan = RoundPlan()
 
     @classmethod
     def discarded(cls, view: RowView, proposal: Proposal, rows: int = 1) -> "RoundOutcome":

@@ -53,6 +53,8 @@ class SpecStats:
     lookup_accepted: int = 0
     fell_back: str | None = None  # why speculation was switched off for the rest of the call (e.g. out of memory)
     guess_cap: int | None = None  # after a round ran out of memory: the most guesses per row from then on
+    plain_reasons: Counter = field(default_factory=Counter)  # why the planner chose plain rounds: kind -> rounds
+    plain_wording: dict[str, str] = field(default_factory=dict)  # each kind's newest full wording
     cache_bytes: int = 0  # the target's KV cache at the end of the call (all rows, padding columns included)
     draft_cache_bytes: int = 0  # the drafter's own caches at the end of the call (a draft model's KV cache)
 
@@ -88,6 +90,10 @@ class SpecStats:
         self.draft_length_hist[depth] += 1
         if drafted == 0:
             self.rounds_spec_off += 1
+            if outcome.plan.why:  # "<kind>: <the numbers of this round>"
+                kind = outcome.plan.why.split(":")[0]
+                self.plain_reasons[kind] += 1
+                self.plain_wording[kind] = outcome.plan.why
         while len(self.drafted_per_position) < depth:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
@@ -98,7 +104,7 @@ class SpecStats:
         self.round_log.append((min(accepted, emitted), emitted))
         self.draft_time_s += proposal.draft_time
         self.draft_setup_time_s += proposal.setup_time
-        from_lookup = [all(s.kind != "draft" for s in sources) for sources in proposal.sources]
+        from_lookup = [not any(s.kind.model_drafted for s in sources) for sources in proposal.sources]
         self.lookup_drafted += sum(from_lookup)
         self.lookup_accepted += sum(from_lookup[node] for node in outcome.accepted)
 
@@ -147,10 +153,29 @@ class SpecStats:
             data[name] = getattr(self, name)
         return data
 
+    def why_plain(self) -> str:
+        """Why rounds were plain, most frequent first, with the newest wording of each: "14 rounds: draft
+        prompt read not repaid: 0.90 s to read, ~0.70 s saved over the 12 tokens left"."""
+        return "; ".join(f"{count} round{'s' if count > 1 else ''}: {self.plain_wording[kind]}"
+                         for kind, count in self.plain_reasons.most_common())
+
+    def explain(self) -> list[str]:
+        """Where the call's time went, and why rounds were plain, one line each (``hf-specdec generate -v``, the
+        demo)."""
+        lines = [f"time: prefill {self.prefill_time_s:.2f} s, verify {self.verify_time_s:.2f} s over {self.forwards} "
+                 f"forwards, draft {self.draft_time_s:.2f} s over {self.draft_forwards} draft steps, draft prompt "
+                 f"read {self.draft_setup_time_s:.2f} s, total {self.total_time_s:.2f} s"]
+        lines += [f"plain: {count} round{'s' if count > 1 else ''}: {self.plain_wording[kind]}"
+                  for kind, count in self.plain_reasons.most_common()]
+        if self.fell_back:
+            lines.append(f"fell back to plain decoding: {self.fell_back}")
+        return lines
+
     def summary(self) -> str:
         c = self.cost_ratio_c
-        return (
+        text = (
             f"{self.new_tokens} tokens in {self.rounds} rounds ({self.tokens_per_s:.2f} tok/s), "
             f"mean accepted length {self.mean_accepted_length:.2f}, acceptance {self.acceptance_rate:.0%}, "
             f"c={'n/a' if c is None else f'{c:.2f}'}, rounds with speculation off {self.rounds_spec_off}"
         )
+        return f"{text} ({self.why_plain()})" if self.plain_reasons else text

@@ -4,9 +4,9 @@ import torch
 
 from hf_specdec.layout import (advance_window, harvest_ngrams, is_plain_chain, merge_candidates, round_layout,
                                stack_layouts, to_model_mask, window_inputs)
-from hf_specdec.round import Candidate, Proposal, Source
+from hf_specdec.round import Candidate, Proposal, Source, SourceKind
 
-POOL = ("pool", 0)
+POOL = (SourceKind.POOL, 0)
 
 
 def trie_of(*candidates, max_nodes=64, **fields):
@@ -17,7 +17,7 @@ def test_trie_merges_shared_prefixes_and_respects_the_node_budget():
     trie = trie_of([5, 6], [5, 7], [8], [9, 9, 9], max_nodes=5)
     assert (trie.tokens, trie.parents, trie.depths) == ((5, 6, 7, 8, 9), (-1, 0, 0, -1, -1), (1, 2, 2, 1, 1))
     assert trie.path(2) == [0, 2]
-    assert trie.sources[0] == (Source("pool", 0, 1),) * 2  # two candidates of one source: each is judged
+    assert trie.sources[0] == (Source(SourceKind.POOL, 0, 1),) * 2  # two candidates of one source: each is judged
     assert trie_of([1, 2, 3], [1, 2, 3]).tokens == (1, 2, 3)  # duplicates cost nothing
     assert trie_of([1, 2, 3], max_nodes=0).num_tokens == 0
 
@@ -50,7 +50,7 @@ def test_exact_mask_and_positions_for_w2_n3_and_a_small_trie():
 
 
 def test_a_plain_chain_needs_no_mask_and_no_positions():
-    chain = Proposal.chain([5, 6, 7], [Source("draft", 0, i) for i in (1, 2, 3)])
+    chain = Proposal.chain([5, 6, 7], [Source(SourceKind.DRAFT, 0, i) for i in (1, 2, 3)])
     assert is_plain_chain(chain) and is_plain_chain(chain.__class__())
     step = round_layout(chain, last_token=4)
     assert step.input_ids.tolist() == [4, 5, 6, 7] and step.offsets.tolist() == [0, 1, 2, 3]
@@ -58,7 +58,7 @@ def test_a_plain_chain_needs_no_mask_and_no_positions():
     assert step.kept_inputs([0, 1]) == [0, 1, 2]
     # the empty window reads the last token's own row, and is still a plain chain
     empty = window_inputs(torch.tensor([[4]]))
-    with_window = Proposal.chain([5], [Source("pool", 0, 1)], extra=empty)
+    with_window = Proposal.chain([5], [Source(SourceKind.POOL, 0, 1)], extra=empty)
     assert is_plain_chain(with_window) and round_layout(with_window, 4).read_rows.tolist() == [0]
     assert not is_plain_chain(trie_of([5, 6], [5, 7]))
 
@@ -73,7 +73,7 @@ def test_every_input_sees_a_path_of_consecutive_positions():
 
 
 def test_stacked_rows_pad_with_inputs_that_see_only_themselves():
-    chain = round_layout(Proposal.chain([5, 6], [Source("draft", 0, 1), Source("draft", 0, 2)]), 4)
+    chain = round_layout(Proposal.chain([5, 6], [Source(SourceKind.DRAFT, 0, 1), Source(SourceKind.DRAFT, 0, 2)]), 4)
     tree = round_layout(trie_of([7, 8], [7, 9]), 3)
     batch = stack_layouts([chain, tree], pad_token=0)
     assert batch.input_ids.tolist() == [[4, 5, 6, 0], [3, 7, 8, 9]]

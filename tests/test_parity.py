@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.round import Offer, Proposal, Source
+from hf_specdec.round import Offer, Proposal, Source, SourceKind
 from tests.conftest import perturbed_copy, tiny_model
 
 POLICIES = ["fixed", "heuristic", "adaptive"]
@@ -66,7 +66,7 @@ class ScriptedDrafter:
         start = view.ids.shape[0]
         tokens = self.reference[start: start + plan.model_tokens].clone()
         tokens[self.right:] = (tokens[self.right:] + 1) % 96  # wrong from position right+1 on
-        return [Proposal.chain(tokens.tolist(), [Source("draft", 0, i + 1) for i in range(len(tokens))],
+        return [Proposal.chain(tokens.tolist(), [Source(SourceKind.DRAFT, 0, i + 1) for i in range(len(tokens))],
                                draft_forwards=len(tokens))]
 
     def update(self, outcomes):

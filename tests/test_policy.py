@@ -6,8 +6,8 @@ import torch
 
 from hf_specdec.costmodel import Estimates, ForwardCost
 from hf_specdec.config import SpecConfig
-from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy, speedup_bound
-from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source
+from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy
+from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source, SourceKind
 
 OFFER = Offer(model_tokens=64)
 
@@ -22,14 +22,15 @@ def observe(policy, outcome):
 
 
 def chain(k, lookup=0, confidences=None, t_draft=0.0):
-    sources = [Source("draft", 0, i) for i in range(1, k + 1)] + [Source("lookup", 0, j) for j in range(1, lookup + 1)]
+    sources = [Source(SourceKind.DRAFT, 0, i) for i in range(1, k + 1)] + [Source(SourceKind.LOOKUP, 0, j) for j in range(1, lookup + 1)]
     return Proposal.chain(range(10, 10 + k + lookup), sources, confidences=tuple(confidences or [0.9] * k),
                           draft_time=k * t_draft, draft_forwards=k)
 
 
-def outcome(proposal, accepted, seconds):
+def outcome(proposal, accepted, seconds, plan=None):
     return RoundOutcome(proposal, accepted=tuple(range(accepted)), next_token=0, emitted=(0,) * (accepted + 1),
-                        start_length=10, forward_tokens=proposal.num_tokens + 1, verify_time=seconds)
+                        start_length=10, forward_tokens=proposal.num_tokens + 1, verify_time=seconds,
+                        **({} if plan is None else {"plan": plan}))
 
 
 def feed(policy, rounds, k, accepted, t_draft, t_verify, plain_step=None, confidences=None):
@@ -37,8 +38,9 @@ def feed(policy, rounds, k, accepted, t_draft, t_verify, plain_step=None, confid
     if plain_step is not None:
         observe(policy, outcome(Proposal(), 0, plain_step))
     for _ in range(rounds):
-        plan(policy, 64, OFFER)
-        observe(policy, outcome(chain(k, confidences=confidences, t_draft=t_draft), accepted, t_verify(k + 1)))
+        planned = plan(policy, 64, OFFER)
+        observe(policy, outcome(chain(k, confidences=confidences, t_draft=t_draft), accepted, t_verify(k + 1),
+                                planned))
 
 
 def test_fixed():
@@ -101,11 +103,13 @@ def test_adaptive_turns_off_when_it_does_not_pay_and_probes_later():
 
 
 def plain_rounds_until_probe(policy, most=10_000):
+    """(plain rounds before the next probe, the probe's plan)."""
     for n in range(most):
-        if plan(policy, 12, OFFER).model_tokens:
-            return n
-        observe(policy, outcome(Proposal(), 0, 0.1))
-    return most
+        planned = plan(policy, 12, OFFER)
+        if planned.model_tokens:
+            return n, planned
+        observe(policy, outcome(Proposal(), 0, 0.1, planned))
+    return most, None
 
 
 def test_probes_back_off_and_stay_within_the_regret_budget():
@@ -115,13 +119,15 @@ def test_probes_back_off_and_stay_within_the_regret_budget():
     feed(policy, 1, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # one losing round: 0.15 s lost
     waits = []
     for _ in range(6):
-        waits.append(plain_rounds_until_probe(policy))
-        observe(policy, outcome(chain(1, t_draft=0.05), 0, 0.1))  # the probe loses again
+        wait, probe = plain_rounds_until_probe(policy)
+        assert probe.probe
+        waits.append(wait)
+        observe(policy, outcome(chain(1, t_draft=0.05), 0, 0.1, probe))  # the probe loses again
         assert policy.regret.lost <= 0.03 * policy.regret.plain_seconds + 1e-9
     # the first waits are set by the budget (0.05 s lost per probe needs 17 plain steps of 0.1 s at 3%), then
     # by the doubling interval
     assert waits[0] > 4 and all(later >= earlier for earlier, later in zip(waits[1:], waits[2:]))
-    assert waits[-1] == 2 * waits[-2] == policy.probe_interval
+    assert waits[-1] == 2 * waits[-2] and policy.exploration.interval == 2 * waits[-1]  # the last probe, too
 
 
 def test_confident_rounds_run_longer_when_verification_is_cheap():
@@ -160,12 +166,6 @@ def test_make_policy():
     assert isinstance(make_policy(SpecConfig()), AdaptivePolicy)
 
 
-def test_speedup_bound_matches_leviathan_table():
-    # Leviathan et al. Thm 3.8; e.g. alpha=0.8, c=0.05 -> k*=8, S≈3.09
-    assert abs(speedup_bound(0.8, 0.05, 8) - 3.09) < 0.01
-    assert speedup_bound(0.8, 0.05, 8) > speedup_bound(0.8, 0.05, 4)
-
-
 def test_lookup_tokens_follow_their_measured_acceptance():
     """Prompt-lookup tokens are appended while their learned acceptance pays for the measured verify cost."""
     good, bad = AdaptivePolicy(SpecConfig()), AdaptivePolicy(SpecConfig())
@@ -183,10 +183,10 @@ def test_lookup_only_round_when_the_history_beats_the_draft():
     continuation without a draft forward, although the draft is good too."""
     policy = AdaptivePolicy(SpecConfig())
     feed(policy, 10, 4, 4, t_draft=0.01, t_verify=flat, plain_step=0.1)
-    offer = Offer(candidates=(Candidate(tuple(range(20)), ("lookup", 0)),), model_tokens=64)
+    offer = Offer(candidates=(Candidate(tuple(range(20)), (SourceKind.LOOKUP, 0)),), model_tokens=64)
     assert plan(policy, 16, offer).model_tokens > 0  # the lookup's acceptance is unknown yet: its prior is 0.5
     for _ in range(10):
-        observe(policy, outcome(Proposal.chain(range(10), [Source("lookup", 0, j) for j in range(1, 11)]), 10, 0.1))
+        observe(policy, outcome(Proposal.chain(range(10), [Source(SourceKind.LOOKUP, 0, j) for j in range(1, 11)]), 10, 0.1))
     round_plan = plan(policy, 16, offer)
     assert round_plan.model_tokens == 0 and round_plan.candidates[0].tokens == tuple(range(policy.LEADING_LOOKUP))
 
@@ -215,7 +215,7 @@ def test_a_batch_round_grows_to_at_most_twice_the_largest_measured_forward():
 
 
 def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_repay_the_read():
-    """A batch of 8 prompts: the draft's prompt read, learned at 10 ms a token, costs 8 x 200 x 0.01 = 16 s.
+    """A batch of 8 prompts: the draft's prompt read, learned as slow as the target's (16 s), costs 16 s.
     Drafting k = 3 saves 0.1 - 0.18 / E a token; 64 tokens left cannot repay it (plain steps, and no probe
     that would pay it), 4096 can. Once the draft has read the prompts (setup 0), drafting pays again."""
     def run(remaining, setup_tokens):
@@ -224,7 +224,8 @@ def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_r
         for n in (16, 24, 32, 40):
             policy.estimates.forward.observe(n, 0.12)
         policy.estimates.draft_step.observe(1, 0.02)
-        policy.estimates.draft_setup.update(0.01)
+        policy.observe_prefill(tokens=8 * 200, seconds=16.0)  # the target read the prompts in 16 s
+        policy.estimates.draft_read.ratio.update(1.0)  # and the draft reads them as slowly: 16 s
         policy.draft.observe_slots([(i, True) for i in (1, 2, 3)] * 20)  # a well-accepted draft
         views = [RowView(r, torch.arange(201), remaining) for r in range(8)]
         offers = [Offer(model_tokens=remaining, setup_tokens=setup_tokens)] * 8
@@ -236,17 +237,75 @@ def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_r
     assert run(64, setup_tokens=0) - {0}
 
 
-def test_the_draft_prompt_read_is_learned_per_token():
+def test_the_draft_prompt_read_is_learned_as_a_share_of_the_target_prefill():
+    """The target read 2 x 100 tokens in 2 s; the draft read them in 1 s (each row's share 0.5 s): a share of 0.5,
+    which prices a later read of a 4 s prefill at 2 s."""
     policy = AdaptivePolicy(SpecConfig())
     views = [RowView(r, torch.arange(101), 64) for r in range(2)]
+    policy.observe_prefill(tokens=200, seconds=2.0)
     policy.estimates.forward.observe(2, 0.1)
     policy.estimates.draft_step.observe(1, 0.02)
-    policy.plan(views, [Offer(model_tokens=64, setup_tokens=100)] * 2)
-    drafted = dataclasses.replace(chain(1, t_draft=0.02), setup_time=0.5)  # each row's share of a 1 s read
-    policy.observe([outcome(drafted, 1, 0.1), outcome(drafted, 1, 0.1)])
-    assert policy.estimates.draft_setup.value == 1.0 / 200
+    plans = policy.plan(views, [Offer(model_tokens=64, setup_tokens=100)] * 2)
+    drafted = dataclasses.replace(chain(1, t_draft=0.02), setup_time=0.5, setup_tokens=100)
+    policy.observe([outcome(drafted, 1, 0.1, plans[0]), outcome(drafted, 1, 0.1, plans[1])])
+    assert policy.estimates.draft_read.share() == 0.5
+    assert policy.estimates.draft_read.estimate(4.0) == 2.0
 
 
+def test_a_cold_first_read_cannot_switch_speculation_off_for_good():
+    """The README path after a short call (issue 27): the short call's draft read (5 tokens) took 0.53 s, almost
+    all of it the 4-bit kernels' one-time cold start, where the target read the same prompt in 0.06 s. Learned per
+    token (0.106 s) it priced a later 300-token read at ~30 s, which 64 tokens could never repay, and no call
+    drafted again. Priced as a share of the target's prefill, the cold sample (9x the parameter share) is not
+    learned, and the next call's read of a 300-token prompt (prefill 0.9 s) is priced at a third of it: drafting
+    pays."""
+    estimates = Estimates()
+    estimates.draft_read.prior = 1 / 3  # the draft's share of the target's parameters (0.5B / 1.5B)
+    short = AdaptivePolicy(SpecConfig(), estimates)
+    short.observe_prefill(tokens=5, seconds=0.06)
+    assert short.estimates.draft_read.observe(0.53, 0.06) is False and estimates.draft_read.cold == 1
+    policy = AdaptivePolicy(SpecConfig(), estimates)  # the next call, same memory
+    policy.observe_prefill(tokens=300, seconds=0.9)
+    for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
+        policy.estimates.forward.observe(n, seconds)
+    policy.estimates.draft_step.observe(1, 0.03)
+    views = [RowView(0, torch.arange(301), 64)]
+    (planned,) = policy.plan(views, [Offer(model_tokens=64, setup_tokens=300)])
+    assert planned.model_tokens > 0 and policy.read_seconds(300) == 0.3
+
+
+def test_a_read_priced_out_of_drafting_is_measured_again_by_a_later_call():
+    """A learned share that blocks drafting (here a warm but slow sample) is an average, not a verdict: each call
+    it blocked moves it halfway back to the prior, so a later call reads, and measures, again."""
+    estimates = Estimates()
+    estimates.draft_read.prior = 0.3
+    estimates.draft_read.observe(draft_seconds=0.8, target_seconds=1.0)  # 0.8: under 3x the prior, learned
+    calls = []
+    for _ in range(6):
+        policy = AdaptivePolicy(SpecConfig(), estimates)
+        policy.observe_prefill(tokens=300, seconds=1.0)
+        for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
+            policy.estimates.forward.observe(n, seconds)
+        policy.estimates.draft_step.observe(1, 0.02)
+        (planned,) = policy.plan([RowView(0, torch.arange(301), 40)], [Offer(model_tokens=40, setup_tokens=300)])
+        calls.append(planned.model_tokens > 0)
+        if not planned.model_tokens:
+            assert planned.why.startswith("draft prompt read not repaid")
+            policy.observe([outcome(Proposal(), 0, 0.1, planned)])
+    assert calls[:2] == [False, True]  # 0.8 s to read: not repaid by 40 tokens; 0.55 s (halfway back): repaid
+
+
+def test_planning_is_a_query():
+    """``plan`` changes no state: the same inputs give the same plans, and the estimates are untouched."""
+    policy = AdaptivePolicy(SpecConfig(probe_interval=1))
+    feed(policy, 3, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # a draft that does not pay
+    policy.regret.plain_seconds = 100.0  # earlier plain steps: a probe is affordable
+    observe(policy, outcome(Proposal(), 0, 0.1, plan(policy, 12)))
+    before = (dataclasses.replace(policy.estimates), vars(policy.exploration).copy(), policy.regret.lost)
+    first = [plan(policy, 12) for _ in range(5)]
+    assert len(set(first)) == 1 and first[0].probe
+    assert vars(policy.exploration) == before[1] and policy.regret.lost == before[2]
+    assert policy.estimates.forward.table() == before[0].forward.table()
 def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size():
     """A batch of 8 after calls of 4 rows: the draft step measured at 4 rows (0.05 s) costs what the target's
     steps say a batch twice as large costs, t(8) / t(4) = 2 times as much. Priced at 0.05 s, drafting k = 7
@@ -257,15 +316,16 @@ def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size()
         for n, seconds in {4: 0.10, 8: 0.20, 16: 0.22, 32: 0.25}.items():
             policy.estimates.forward.observe(n, seconds)
         policy.estimates.draft_step.observe(4, 0.05)
-        policy.estimates.draft_setup.update(0.01)  # 8 rows x 63 tokens: 5.04 s
+        policy.observe_prefill(tokens=8 * 63, seconds=5.04)  # the target read the prompts in 5.04 s
+        policy.estimates.draft_read.ratio.update(1.0)  # the draft as slowly: 5.04 s
         policy.draft.observe_slots([(i, True) for i in range(1, 9)] * 20)
         views = [RowView(r, torch.arange(64), remaining) for r in range(8)]
         plans = policy.plan(views, [Offer(model_tokens=remaining, setup_tokens=63)] * 8)
-        assert policy._t_draft() == 0.1
+        assert policy.price(8).t_draft == 0.1
         return {p.model_tokens for p in plans}
 
     assert run(128) == {0}
-    assert run(256) == {7}
+    assert run(256) == {5}  # 8 x 6 inputs and more: past the largest measured (32), priced on its slope
 
 
 def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
@@ -281,11 +341,12 @@ def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
         policy.estimates.draft_step.observe(1, 0.052)
         if draft_rows:
             policy.estimates.draft_rows = ForwardCost.from_table(draft_rows)
-        policy.estimates.draft_setup.update(0.01)  # 8 rows x 63 tokens: 5.04 s
+        policy.observe_prefill(tokens=8 * 63, seconds=5.04)  # the target read the prompts in 5.04 s
+        policy.estimates.draft_read.ratio.update(1.0)  # the draft as slowly: 5.04 s
         policy.draft.observe_slots([(i, i < 4) for i in range(1, 5)] * 20)
         views = [RowView(r, torch.arange(64), 160) for r in range(8)]
         plans = policy.plan(views, [Offer(model_tokens=160, setup_tokens=63)] * 8)
-        return round(policy._t_draft(), 4), {p.model_tokens for p in plans}
+        return round(policy.price(8).t_draft, 4), {p.model_tokens for p in plans}
 
     assert run(None) == (0.054, {3})  # a guess from the target's curve: 54 ms, and the read is paid
     assert run({1: 0.048, 2: 0.052, 4: 0.095, 8: 0.106}) == (0.1148, {0})
@@ -304,7 +365,7 @@ def test_a_batch_drafts_one_k_for_every_row_without_confidence_stops_or_lookup()
         policy.estimates.draft_step.observe(rows, 0.02)
         policy.draft.observe_slots([(i, i < 6) for i in range(1, 7)] * 20)  # 5 tokens kept, the 6th not
         policy.lookup.observe_slots([(i, True) for i in range(1, 5)] * 40)  # lookup continuations kept
-        candidates = (Candidate((5, 6, 7, 8), ("lookup", 0)),) if lookup else ()
+        candidates = (Candidate((5, 6, 7, 8), (SourceKind.LOOKUP, 0)),) if lookup else ()
         views = [RowView(r, torch.arange(32), 64) for r in range(rows)]
         return policy.plan(views, [Offer(model_tokens=64, candidates=candidates)] * rows)
 

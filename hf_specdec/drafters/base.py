@@ -26,7 +26,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 
 
 class Drafter(Protocol):
@@ -161,9 +161,9 @@ class ChainDrafter:
             draft_probs = torch.cat([draft_probs, one_hot.to(draft_probs)])
         return Proposal.chain(
             drafted.tokens + tail,
-            [sources[0] for sources in drafted.sources] + [Source("lookup", 0, j) for j in range(1, len(tail) + 1)],
+            [sources[0] for sources in drafted.sources] + [Source(SourceKind.LOOKUP, 0, j) for j in range(1, len(tail) + 1)],
             draft_probs, confidences=drafted.confidences, draft_time=seconds,
-            draft_forwards=drafted.draft_forwards, setup_time=drafted.setup_time)
+            draft_forwards=drafted.draft_forwards, setup_time=drafted.setup_time, setup_tokens=drafted.setup_tokens)
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         for part in self.parts:

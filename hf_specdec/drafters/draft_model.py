@@ -31,7 +31,7 @@ from transformers import LogitsProcessorList
 
 from .. import cache as kv
 from ..layout import RoundLayout, stack_layouts
-from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source
+from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 from ..verify import greedy_choice
 
 
@@ -142,6 +142,7 @@ class DraftModelDrafter:
         steps = max(limits, default=0)
         if steps == 0:
             return [Proposal() for _ in views]
+        read_tokens = self.offer(views)[0].setup_tokens  # each row's share of the left-padded batch, 0 once read
         setup = self._read(views) / len(views) if self.cache is None else 0.0
         start = time.perf_counter()
         ids = [view.ids.to(self.device) for view in views]
@@ -173,10 +174,10 @@ class DraftModelDrafter:
         seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
         forwards = max(len(row) for row in tokens)
         return [Proposal.chain(
-            row, [Source("draft", 0, i) for i in range(1, len(row) + 1)],
+            row, [Source(SourceKind.DRAFT, 0, i) for i in range(1, len(row) + 1)],
             torch.stack(row_probs) if self.do_sample and row_probs else None,
             confidences=tuple(row_confidences), draft_time=seconds, draft_forwards=forwards if row else 0,
-            setup_time=setup)
+            setup_time=setup, setup_tokens=read_tokens)
             for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:

@@ -28,11 +28,8 @@ import torch
 from ..config import LookaheadConfig
 from ..layout import advance_window, harvest_ngrams, merge_candidates, window_inputs
 from ..memory import LookaheadMemory
-from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView
+from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView, SourceKind
 from .ngram_pool import HistoryIndex, NgramPool
-
-POOL = ("pool", 0)
-
 
 class LookaheadDrafter:
     """Offers lookahead candidates and lays out the window (see module docstring); a ``RowDrafter`` (one row).
@@ -129,19 +126,20 @@ class LookaheadDrafter:
         found: list[Candidate] = []
         if self.history is not None:
             for kind, matches in (
-                ("history", self.history.matches(max_len=depth, limit=limit)),
-                ("memory", self.memory.corpus.matches(max_len=depth, limit=limit, suffix=tail, suffix_only=True)),
+                (SourceKind.HISTORY, self.history.matches(max_len=depth, limit=limit)),
+                (SourceKind.MEMORY, self.memory.corpus.matches(max_len=depth, limit=limit, suffix=tail,
+                                                               suffix_only=True)),
             ):
-                found += [Candidate(tokens, (kind if rank == 0 else f"{kind}_alt", n))
+                found += [Candidate(tokens, (kind if rank == 0 else kind.alternative(), n))
                           for rank, (tokens, n) in enumerate(matches)]
         for ngram in self.pool.lookup(tail[-1], limit=limit):
-            found.append(Candidate(self._chain(ngram, depth), POOL))
+            found.append(Candidate(self._chain(ngram, depth), (SourceKind.POOL, 0)))
         found += self._recycled(tail[-1], depth)
         return found
 
     def _recycled(self, last: int, depth: int) -> list[Candidate]:
         """Token Recycling (Luo et al. 2025): the target's top choices the last time it read ``last``, each
-        continued by the top choice after it, and so on (chains up to ``depth``); source ("recycle", rank)."""
+        continued by the top choice after it, and so on (chains up to ``depth``); source (RECYCLE, rank)."""
         successors = self.memory.successors  # covers every token it holds (``LookaheadMemory.recycle``)
         if successors is None or last >= successors.shape[0]:
             return []
@@ -161,13 +159,13 @@ class LookaheadDrafter:
         for rank, first in enumerate(firsts):
             if first < 0:
                 break
-            found.append(Candidate(chain([first]), ("recycle", rank)))
+            found.append(Candidate(chain([first]), (SourceKind.RECYCLE, rank)))
         if depth >= 2 and config.recycle_second and found:
             seconds = successors[firsts[0], 1: 1 + config.recycle_second].tolist()
             for rank, second in enumerate(seconds):
                 if second < 0:
                     break
-                found.append(Candidate(chain([firsts[0], second]), ("recycle_second", rank)))
+                found.append(Candidate(chain([firsts[0], second]), (SourceKind.RECYCLE_SECOND, rank)))
         return found
 
     def _chain(self, candidate: tuple[int, ...], depth: int) -> tuple[int, ...]:

@@ -3,14 +3,14 @@
 Code repeats itself (edits copy their input, tests repeat names), so the text already seen predicts the next
 tokens without any model. The drafter keeps a ``HistoryIndex`` over prompt + everything committed, fed from
 each round's outcome, and offers the continuation of the last tokens (a match of at least ``min_match``).
-Its tokens are deterministic drafts, learned by the policy as source ``("lookup", 0)``.
+Its tokens are deterministic drafts, learned by the policy as source ``(SourceKind.LOOKUP, 0)``.
 
     >>> import torch
     >>> view = RowView(row=0, ids=torch.tensor([1, 2, 3, 4, 1, 2]), budget=3)
     >>> drafter = PromptLookupDrafter()
     >>> drafter.prefill(view)
     >>> drafter.offer(view).candidates
-    (Candidate(tokens=(3, 4, 1), source=('lookup', 0)),)
+    (Candidate(tokens=(3, 4, 1), source=(<SourceKind.LOOKUP: 'lookup'>, 0)),)
     >>> drafter.continuation((3,), max_len=2)    # after "... 1 2" + a drafted 3
     (4, 1)
 """
@@ -21,10 +21,10 @@ import dataclasses
 import time
 
 from ..layout import merge_candidates
-from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView
+from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView, SourceKind
 from .ngram_pool import HistoryIndex
 
-SOURCE = ("lookup", 0)
+SOURCE = (SourceKind.LOOKUP, 0)
 
 
 class PromptLookupDrafter:
