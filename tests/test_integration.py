@@ -93,7 +93,8 @@ def test_a_profile_that_says_drafting_pays_drafts_from_the_first_round(prompt, m
     out = model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, model.generate.__wrapped__(prompt, max_new_tokens=NEW, do_sample=False))
     stats = model.last_spec_stats
-    assert stats.draft_length_hist[0] == 0, stats.plain_reasons  # never a plain round
+    # never a plain round but, when one token is left, the last (no room for a guess)
+    assert stats.draft_length_hist[0] == stats.plain_reasons["no room left"] <= 1, stats.plain_reasons
     assert model.speculative_memory.estimates(draft).acceptance[(SourceKind.DRAFT, 0)].judged[0] > 0  # kept for later calls
     assert model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
                           speculative_memory=None).shape == out.shape  # a call on its own
