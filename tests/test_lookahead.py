@@ -1,6 +1,8 @@
 """Lookahead decoding end to end: greedy parity, KV compaction, stops, streaming, refusal of flash attention."""
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -403,13 +405,15 @@ def test_tokens_per_round_count_every_round_that_had_candidates_verified_or_not(
     policy = TreePolicy(LookaheadConfig(), Estimates())
     views = [RowView(r, torch.arange(10), 32) for r in range(2)]
     offers = [Offer(candidates=(Candidate((5, 6), (SourceKind.HISTORY, 2)),)), Offer()]
-    assert all(plan.is_plain for plan in policy.plan(views, offers))  # t(2) unmeasured: a plain step first
-    plain = [RoundOutcome(Proposal(), (), 7, (7,), 10, 1, 0.1, row=r, rows=2) for r in range(2)]
+    plans = policy.plan(views, offers)
+    assert all(plan.is_plain for plan in plans)  # t(2) unmeasured: a plain step first
+    plain = [RoundOutcome(Proposal(), (), 7, (7,), 10, 1, 0.1, row=r, rows=2, plan=plan) for r, plan in enumerate(plans)]
     policy.observe(plain)
     assert policy.estimates.ema("round_tokens").value == 1.0
     policy.estimates.ema("round_tokens").update(3.0)
-    policy.plan(views, [Offer(), Offer()])
-    policy.observe(plain)  # nothing was offered: the average is left as it was
+    plans = policy.plan(views, [Offer(), Offer()])
+    policy.observe([dataclasses.replace(outcome, plan=plan) for outcome, plan in zip(plain, plans)])  # nothing
+    # was offered: the average is left as it was
     assert policy.estimates.ema("round_tokens").value == pytest.approx(0.7 * 1.0 + 0.3 * 3.0)
 
 

@@ -39,7 +39,7 @@ from hf_specdec import verify as verify_module
 from hf_specdec.costmodel import Estimates
 from hf_specdec.drafters.base import PerRow
 from hf_specdec.policy import AdaptivePolicy
-from hf_specdec.round import Offer, Proposal, Source
+from hf_specdec.round import Offer, Proposal, Source, SourceKind
 from hf_specdec.verify import Verdict
 from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy
@@ -217,7 +217,7 @@ class FixedDistributionDrafter:
     def propose(self, view, plan):
         n = plan.model_tokens
         tokens = torch.multinomial(self.sample_from, n, replacement=True) if n else torch.zeros(0, dtype=torch.long)
-        return Proposal.chain(tokens.tolist(), [Source("draft", 0, i) for i in range(1, n + 1)],
+        return Proposal.chain(tokens.tolist(), [Source(SourceKind.DRAFT, 0, i) for i in range(1, n + 1)],
                               self.reported.expand(n, V).clone() if n else None, draft_forwards=n)
 
     def update(self, outcome):
