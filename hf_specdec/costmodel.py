@@ -441,6 +441,41 @@ def best_count(gains: Sequence[float], seconds: Callable[[int], float | None], l
     return best
 
 
+@dataclass(frozen=True)
+class BestRound:
+    """The round that maximises expected tokens per second: ``k`` draft tokens (0: a plain step), ``tokens``
+    expected from it, in ``seconds``."""
+
+    k: int
+    tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def best_round(price: "ForwardPrice", gains: Sequence[float], limit: int | None = None,
+               bound: Bound = Bound.EXPECTED) -> BestRound | None:
+    """Does speculation pay, and how much: the one answer for the policy, ``check``, the profile's dtype choice
+    and eval. ``gains[i]``: what draft token i + 1 adds to a round's expected tokens (``prefix_gains``); a round of
+    k tokens takes ``price.round(k, bound=bound)``. None while a plain step is unpriced.
+
+    >>> price = ForwardPrice(ForwardCost.from_table({1: 1.0, 4: 1.1, 8: 1.3}), t_draft=0.1)  # in plain steps
+    >>> best = best_round(price, prefix_gains([0.8] * 8))
+    >>> best.k, round(best.tokens, 2), best.seconds  # 5 draft steps and t(6): 2.17 tokens a step
+    (5, 3.69, 1.7)
+    >>> best_round(ForwardPrice(price.cost, t_draft=0.9), prefix_gains([0.5] * 8)).k  # a dear draft: plain steps
+    0
+    """
+    def seconds(k: int) -> float | None:
+        return price.round(k, bound=bound)
+
+    k = best_count(gains, seconds, limit)
+    t = seconds(k)
+    return None if t is None else BestRound(k, expected_tokens(gains[:k]), t)
+
+
 class Regret:
     """Seconds speculation lost against plain decoding, so that probing it stays within a budget.
 

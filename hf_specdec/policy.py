@@ -66,7 +66,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from .config import LookaheadConfig, SpecConfig
-from .costmodel import Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, prefix_gains
+from .costmodel import (Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, best_round,
+                        prefix_gains)
 from .layout import merge_candidates
 from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind, prior_acceptance
 
@@ -362,7 +363,8 @@ class AdaptivePolicy:
         if price.t_draft is None:
             return Decision(min(self.config.num_draft_tokens, budget))
         gains = prefix_gains(self.draft.rates(budget))
-        best_k = best_count(gains, price.round, budget)
+        best = best_round(price, gains, budget)
+        best_k = best.k if best is not None else 0
         read = self.read_seconds(setup_tokens)
         if best_k > 0:
             saved = self._saved(price, best_k, gains, remaining) if read else 0.0
@@ -403,8 +405,8 @@ class AdaptivePolicy:
             self.estimates.draft_read.blocked = True
         if forwards:
             self._observe_draft(outcomes, forwards)
-        pays = probe and best_count(prefix_gains(self.draft.rates(self.max_k)), self.price(len(outcomes)).round,
-                                    self.max_k) > 0
+        best = best_round(self.price(len(outcomes)), prefix_gains(self.draft.rates(self.max_k))) if probe else None
+        pays = best is not None and best.k > 0
         self.exploration.observe(drafted=bool(forwards), probe=probe, pays=pays)
 
     def _observe_draft(self, outcomes: Sequence[RoundOutcome], forwards: int) -> None:
