@@ -300,15 +300,18 @@ class KVStore:
             base = self._positions.gather(1, written[:, None])[:, 0] + 1
             sees_written = self._sees[torch.arange(rows), written]  # [B, w]
         positions = base[:, None] + batch.offsets  # [B, n]
-        sees_past = torch.cat([self._kept_valid(), sees_written], dim=1)  # [B, past]
+        sees_all = self.valid is None and bool(sees_written.all()) and batch.valid is None  # the dense case
+        sees_past = None if sees_all else torch.cat([self._kept_valid(), sees_written], dim=1)  # [B, past]
         new_valid = batch.valid if batch.valid is not None else torch.ones(rows, n, dtype=torch.bool)
         if batch.inner is None:  # chains: the model's own causal mask, over a 2-D mask unless all is visible
             mask = None
-            if not bool(sees_past.all()) or batch.valid is not None:
+            if not sees_all:
                 mask = torch.cat([sees_past, new_valid], dim=1).long().to(self.device)  # [B, past + n]
             inner = torch.ones(n, n, dtype=torch.bool).tril().expand(rows, n, n) & new_valid[:, None, :]
         else:  # trees: a 4-D mask, True = attend
             inner = batch.inner
+            if sees_past is None:
+                sees_past = torch.ones(rows, past, dtype=torch.bool)
             full = torch.cat([sees_past[:, None, :].expand(rows, n, past), inner], dim=2)  # [B, n, past + n]
             mask = self._layer_masks(full, positions, n)
         result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
