@@ -144,7 +144,12 @@ LogitsAt = int | torch.Tensor | None  # the last n inputs, or [m] input indices,
 
 
 def _select(states: torch.Tensor, logits_at: LogitsAt) -> torch.Tensor:
-    """[B, n, ...] -> [B, m, ...]: the inputs ``logits_at`` asks for."""
+    """[B, n, ...] -> [B, m, ...]: the inputs ``logits_at`` asks for.
+
+    >>> states = torch.arange(5)[None, :, None]  # [1, 5, 1]
+    >>> _select(states, 2).flatten().tolist(), _select(states, torch.tensor([0, 3])).flatten().tolist()
+    ([3, 4], [0, 3])
+    """
     if isinstance(logits_at, torch.Tensor):
         return states[:, logits_at.to(states.device)]
     return states if logits_at is None else states[:, -logits_at:]
@@ -206,6 +211,20 @@ class KVStore:
     columns after ``width`` were written since the last ``keep``: per written column, its position
     (``_positions`` [B, w]) and which written columns it saw (``_sees`` [B, w, w], itself included), so that a
     later forward can continue any of them and ``keep`` can take any path through them.
+
+    >>> from hf_specdec.layout import BatchInputs
+    >>> from hf_specdec.models.tiny import tiny_model
+    >>> store = KVStore(tiny_model("llama"))
+    >>> _ = store.prefill(torch.tensor([[5, 6, 7]]), None)  # kept at once: 3 tokens, positions 0..2
+    >>> trie = BatchInputs(torch.tensor([[8, 9, 10]]), torch.tensor([[0, 1, 1]]), None,  # 8, then 9 or 10
+    ...                    torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool))
+    >>> store.forward(trie).slots.tolist()
+    [[3, 4, 5]]
+    >>> store.keep([[3, 5]])  # 8 -> 10: slot 4 becomes a hole, masked from now on
+    >>> store.lengths.tolist(), store.valid.tolist(), store.gathers
+    ([5], [[True, True, True, True, False, True]], 0)
+    >>> store.compact(); store.dense, store.width, store.gathers
+    (True, 5, 1)
     """
 
     COMPACT_FRACTION = 0.5  # compact when more than this fraction of the kept columns are holes
