@@ -603,7 +603,7 @@ def forward_times(model, prefix_ids: torch.LongTensor, sizes: Sequence[int], rep
     device = next(model.parameters()).device
     prefix_ids = prefix_ids.to(device)
     cache = kv.new_cache(model)
-    kv.forward(model, prefix_ids, cache)
+    kv.call_model(model, prefix_ids, cache)
     base = prefix_ids.shape[1]
     times: dict[int, list[float]] = {int(n): [] for n in sizes}
     for repeat in range(repeats + 1):
@@ -611,7 +611,7 @@ def forward_times(model, prefix_ids: torch.LongTensor, sizes: Sequence[int], rep
             ids = prefix_ids[:, -1:].repeat(1, n)
             _sync(device)
             start = time.perf_counter()
-            kv.forward(model, ids, cache, num_logits=n)
+            kv.call_model(model, ids, cache, logits_at=n)
             _sync(device)
             if repeat:
                 times[n].append(time.perf_counter() - start)

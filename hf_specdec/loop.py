@@ -7,16 +7,18 @@
       2. plan      the policy sizes each row's round (``round.RoundPlan``; nothing in it = a plain step)
       3. propose   the drafter makes each row's ``Proposal``: a trie of guesses (a chain is a trie with one path)
       4. forward   one target forward over every row's [last token, extra inputs, guesses] (``layout.py``), each
-                   row at its own positions, seeing its own cache (``cache.RowCache``)
+                   row at its own positions, seeing its own cache (``cache.KVStore``), written at new slots
       5. verify    logits processors at every node, each with its own prefix; ``verify.py`` picks each row's path
-      6. keep      the cache keeps each row's accepted path only (a crop for one row's chain)
+      6. keep      the cache keeps the slots of each row's last token and accepted path and forgets the other
+                   slots written in step 4 (a crop for a chain; other paths leave masked holes)
       7. emit      each row's tokens are cut at its first stop, streamed (one row) and appended
       8. learn     one ``RoundOutcome`` per row (with the plan it followed) to ``stats.record``,
                    ``policy.observe`` and ``drafter.update``;
                    rows that stopped leave the batch
 
-The invariant between rounds: each row's cache holds its committed tokens except the last one, which is the
-first input of its next forward; its positions are those plain ``generate`` gives (``cumsum(mask) - 1``).
+The invariant between rounds: each row's cache keeps exactly its committed tokens except the last one, which is
+the first input of its next forward, and nothing written since (no slot is pending a keep); its positions are
+those plain ``generate`` gives (``cumsum(mask) - 1``), and ``lengths[r]`` is the position of that last token.
 
 Out of memory while verifying guesses redoes the round with at most half as many guesses per row and no
 window (``policy.CappedPolicy``); out of memory again, or in the drafter, frees the drafter and finishes with
@@ -94,7 +96,7 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     emitter, scores_out = Emitter(streamer), []
     start = time.perf_counter()
     emitter.prompt(inputs.input_ids)
-    cache = kv.RowCache(inputs.target, inputs.attention)
+    cache = kv.KVStore(inputs.target, inputs.attention)
     rows = _rows(inputs)
     _prefill(inputs, cache, rows, emitter, scores_out)
     prefill_seconds = time.perf_counter() - start
@@ -145,10 +147,10 @@ def _rows(inputs: DecodeInputs) -> list[_Row]:
             for r in range(inputs.input_ids.shape[0])]
 
 
-def _prefill(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], emitter: Emitter, scores_out: list) -> None:
+def _prefill(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], emitter: Emitter, scores_out: list) -> None:
     """The target reads the whole prompts and emits one token per row."""
     try:
-        logits = cache.prefill(inputs.input_ids, inputs.attention_mask)[:, 0, : inputs.vocab_size]  # [B, V]
+        logits = cache.prefill(inputs.input_ids, inputs.attention_mask).logits[:, 0, : inputs.vocab_size]  # [B, V]
     except Exception as error:  # noqa: BLE001 - re-raised, with advice when it is out of memory
         if is_out_of_memory(error):
             raise RuntimeError(
@@ -162,7 +164,7 @@ def _prefill(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], emitter
         _emit(inputs, emitter, scores_out, row, None, scores, tokens=[first])
 
 
-def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], views: list[RowView],
+def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], views: list[RowView],
                   proposals: list[Proposal]):
     """Steps 4-6 for every row at once: one forward over the stacked rounds, processors, verification, and the
     cache keeps each row's last token and accepted path (their KV computed in this forward, not recomputed).
@@ -178,8 +180,8 @@ def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], vi
     where = torch.full((batch.input_ids.shape[1],), -1, dtype=torch.long)
     where[needed] = torch.arange(needed.shape[0])
     full = needed.shape[0] == batch.input_ids.shape[1]
-    logits = cache.forward(batch, num_logits=needed.shape[0] if full else needed)  # [B, |needed|, V]
-    logits = logits[..., : inputs.vocab_size]
+    written = cache.forward(batch, logits_at=needed.shape[0] if full else needed)
+    logits = written.logits[..., : inputs.vocab_size]  # [B, |needed|, V]
     # the target's own choice and top choices at every computed row, for the whole batch at once: one call each
     # instead of one per row (per-row calls measured 2-3x slower at B = 8 on CPU); its own choice only where it is
     # read (greedy on raw logits decides by it, a window's next guesses are it)
@@ -201,7 +203,7 @@ def _verify_round(inputs: DecodeInputs, cache: kv.RowCache, rows: list[_Row], vi
             verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
         verdicts.append(verdict)
         scores.append(row_scores[[0] + [1 + node for node in verdict.accepted]] if inputs.output_scores else None)
-        kept.append(layout.kept_inputs(verdict.accepted))
+        kept.append(written.slots[i, layout.kept_inputs(verdict.accepted)].tolist())
     cache.keep(kept)
     seconds = time.perf_counter() - start
     outcomes = []
@@ -250,7 +252,7 @@ def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, 
     return dataclasses.replace(outcome, emitted=tuple(new_tokens.tolist()), finished=row.done)
 
 
-def _leave(cache: kv.RowCache, rows: list[_Row]) -> list[_Row]:
+def _leave(cache: kv.KVStore, rows: list[_Row]) -> list[_Row]:
     """The rows still decoding; the cache forgets the others."""
     active = [i for i, row in enumerate(rows) if not row.done]
     if len(active) < len(rows) and active:

@@ -120,17 +120,19 @@ def test_sampling_runs_and_is_reproducible_with_a_seed():
 def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
     model = tiny_model("llama")
     prompt = REPETITIVE[:, :-1]
-    cache = kv.RowCache(model, "sdpa")
+    cache = kv.KVStore(model, "sdpa")
     cache.prefill(prompt, None)
     last = int(REPETITIVE[0, -1])
     extra = window_inputs(torch.tensor([[last, 9, 10], [11, 12, 13]]))  # W=3, N=3 window (its KV must be dropped)
     trie = merge_candidates([Candidate(c, (SourceKind.POOL, 0)) for c in [(5, 6, 7), (5, 8), (4, 2)]], 8, extra=extra)
     step = round_layout(trie, last)
-    cache.forward(stack_layouts([step]))
-    cache.keep([step.kept_inputs([0, 3])])  # the path 5 -> 8
+    written = cache.forward(stack_layouts([step]))
+    cache.keep([written.slots[0, step.kept_inputs([0, 3])].tolist()])  # the path 5 -> 8: holes, masked
+    assert not cache.dense and cache.gathers == 0
+    cache.compact()
 
     fresh = kv.new_cache(model)
-    kv.forward(model, torch.cat([REPETITIVE, torch.tensor([[5, 8]])], dim=1), fresh)
+    kv.call_model(model, torch.cat([REPETITIVE, torch.tensor([[5, 8]])], dim=1), fresh)
     assert cache.cache.get_seq_length() == fresh.get_seq_length() == REPETITIVE.shape[1] + 2
     assert cache.dense and cache.lengths.tolist() == [REPETITIVE.shape[1] + 2]
     for layer, fresh_layer in zip(cache.cache.layers, fresh.layers):

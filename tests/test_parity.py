@@ -160,7 +160,7 @@ def test_narrow_draft_head_only_proposes_kept_tokens(target, close_draft, prompt
     from transformers import LogitsProcessorList
 
     from hf_specdec.drafters.draft_model import DraftModelDrafter
-    from hf_specdec.round import RoundPlan, RowView
+    from hf_specdec.round import RoundOutcome, RoundPlan, RowView
 
     drafter = DraftModelDrafter(close_draft, LogitsProcessorList(), do_sample=True, vocab_size=96, draft_vocab_size=20)
     view = RowView(0, prompt[0], 6)
@@ -171,7 +171,7 @@ def test_narrow_draft_head_only_proposes_kept_tokens(target, close_draft, prompt
         assert proposal.num_tokens == 6 and set(proposal.tokens) <= kept
         outside = [t for t in range(96) if t not in kept]
         assert float(proposal.draft_probs[:, outside].sum()) == 0.0
-        drafter.cache.truncate(torch.tensor([prompt.shape[1] - 1]))  # as if nothing was accepted
+        drafter.update([RoundOutcome.discarded(view, proposal)])  # as if nothing was accepted
 
 
 def test_history_lookup_appends_repeated_text_and_keeps_output(monkeypatch):

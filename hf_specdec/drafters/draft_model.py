@@ -36,7 +36,8 @@ from ..verify import greedy_choice
 
 
 class SubVocabHead:
-    """The draft's output layer restricted to ``token_ids`` ([S] sorted ids); logits elsewhere are -inf."""
+    """The draft's output layer restricted to ``token_ids`` ([S] sorted ids); logits elsewhere are -inf. The draft's
+    store runs the base model and hands its hidden states to this head (``cache.call_model(head=...)``)."""
 
     def __init__(self, model, token_ids: torch.LongTensor, vocab_size: int) -> None:
         head = model.get_output_embeddings()
@@ -69,8 +70,14 @@ class SubVocabHead:
 
 
 class DraftModelDrafter:
-    """Drafts a chain per row with a small causal LM that keeps its own KV cache (a ``cache.RowCache``) across
-    rounds; all rows draft in one batched forward per step (module docstring)."""
+    """Drafts a chain per row with a small causal LM that keeps its own KV cache (a ``cache.KVStore``) across
+    rounds; all rows draft in one batched forward per step (module docstring).
+
+    A round writes, per row, the tokens committed since the store's last keep and then each drafted token that
+    another step needed, one forward per step, each continuing the row's previous slot (``forward(after=)``);
+    ``_written[r]`` lists those slots in sequence order. ``update`` keeps the ones the target agreed with
+    (the committed tokens but the newest) and the store forgets the rest.
+    """
 
     def __init__(
         self,
@@ -91,8 +98,9 @@ class DraftModelDrafter:
         self.special_token_ids = special_token_ids
         self.pad_token_id = pad_token_id
         self.device = next(draft_model.parameters()).device
-        self.cache: kv.RowCache | None = None
+        self.cache: kv.KVStore | None = None
         self.rows: list[int] = []  # the batch rows held by the cache, in its order
+        self._written: list[list[int]] = []  # per row: the slots written since the last keep, in sequence order
 
     def prefill(self, views: Sequence[RowView]) -> None:
         """Nothing yet: the draft reads the prompts the first time a plan asks it to draft (``_read``), so a call
@@ -110,22 +118,24 @@ class DraftModelDrafter:
             head = SubVocabHead(self.model, torch.unique(keep[keep < self.vocab_size]).to(self.device),
                                 self.vocab_size)
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        self.cache = kv.RowCache(self.model, attention, head=head)
+        self.cache = kv.KVStore(self.model, attention, head=head)
         prompts, mask = _left_padded([view.ids[:-1] for view in views], self.pad_token_id)
-        if prompts.shape[1]:
-            self.cache.prefill(prompts, mask, num_logits=1)
-        else:
-            self.cache.lengths = torch.zeros(len(views), dtype=torch.long)
+        self.cache.prefill(prompts, mask, logits_at=1)
+        self._written = [[] for _ in views]
         return time.perf_counter() - start
 
     def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
-        """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) appended to its cache: float logits [B, V] after each."""
+        """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) written after what the row wrote this round (after its kept
+        tokens in the round's first step): float logits [B, V] after each row's last token."""
         batch = stack_layouts([_fed(feed) for feed in feeds], self.pad_token_id)
         even = batch.valid is None  # every row feeds as many tokens: only the last position's logits are needed
-        logits = self.cache.forward(batch, num_logits=1 if even else None)  # [B, 1 or n, V]
-        self.cache.keep([list(range(feed.shape[0])) for feed in feeds])
+        after = torch.tensor([row[-1] for row in self._written]) if all(self._written) else None
+        assert after is not None or not any(self._written), "rows step together"
+        written = self.cache.forward(batch, after=after, logits_at=1 if even else None)  # logits [B, 1 or n, V]
+        for row, feed, slots in zip(self._written, feeds, written.slots.tolist()):
+            row.extend(slots[: feed.shape[0]])
         last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
-        return logits[torch.arange(len(feeds)), last.to(logits.device), : self.vocab_size]
+        return written.logits[torch.arange(len(feeds)), last.to(written.logits.device), : self.vocab_size]
 
     def offer(self, views: Sequence[RowView]) -> list[Offer]:
         """Up to the room left per row; before the draft has read the prompts, what reading them costs: each
@@ -145,6 +155,9 @@ class DraftModelDrafter:
         read_tokens = self.offer(views)[0].setup_tokens  # each row's share of the left-padded batch, 0 once read
         setup = self._read(views) / len(views) if self.cache is None else 0.0
         start = time.perf_counter()
+        if any(self._written):  # the last round's update never came (its forward failed): forget what it wrote
+            self.cache.discard()
+            self._written = [[] for _ in views]
         ids = [view.ids.to(self.device) for view in views]
         feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
         tokens: list[list[int]] = [[] for _ in views]
@@ -181,15 +194,23 @@ class DraftModelDrafter:
             for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
-        """Forget the KV of draft tokens the target rejected (all but the committed tokens before the newest, which
-        the next round feeds); drop the rows that finished."""
+        """Keep the KV of the committed tokens but the newest (which the next round feeds): of the slots written
+        this round, those of the tokens fed before the first rejected draft token; drop the rows that finished.
+
+        Row r wrote the tokens from its kept length on, in order: the committed ones it caught up on, then its
+        draft. The target accepted ``num_accepted`` of the draft (fewer were committed when a stop cut the
+        round; none when the round was discarded), so the first ``committed - 1 - length`` written slots are kept.
+        """
         keep = [i for i, outcome in enumerate(outcomes) if not outcome.finished]
         if self.cache is not None:
-            self.cache.truncate(torch.tensor([
-                min(outcome.start_length + outcome.num_accepted, outcome.start_length + len(outcome.emitted) - 1)
-                for outcome in outcomes]))
+            ends = [min(outcome.start_length + outcome.num_accepted, outcome.start_length + len(outcome.emitted) - 1)
+                    for outcome in outcomes]
+            self.cache.keep([slots[: max(0, end - int(length))]
+                             for slots, end, length in zip(self._written, ends, self.cache.lengths)])
+            self._written = [[] for _ in outcomes]
             if len(keep) < len(outcomes) and keep:
                 self.cache.select_rows(keep)
+                self._written = [[] for _ in keep]
         self.rows = [self.rows[i] for i in keep]
 
     def cache_bytes(self) -> int:
@@ -198,6 +219,7 @@ class DraftModelDrafter:
     def release(self) -> None:
         self.cache = None
         self.rows = []
+        self._written = []
 
 
 def _fed(tokens: torch.Tensor) -> RoundLayout:

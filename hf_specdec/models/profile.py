@@ -504,7 +504,7 @@ def prefill_seconds(model, prompt_ids: torch.LongTensor, repeats: int = 2) -> fl
         cache = kv.new_cache(model)
         _sync(device)
         start = time.perf_counter()
-        kv.forward(model, prompt_ids, cache, num_logits=1)
+        kv.call_model(model, prompt_ids, cache, logits_at=1)
         _sync(device)
         if repeat:
             samples.append(time.perf_counter() - start)
