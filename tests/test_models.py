@@ -10,11 +10,11 @@ import zipfile
 import pytest
 import torch
 
-from hf_specdec.models import TINY_TARGET, bundles, hardware, loading
+from hf_specdec.models import TINY_TARGET, bundles, hardware, loading, refs
 from hf_specdec.models.tiny import fake_bundle, tiny_model_dir
 from hf_specdec.models.bundles import BundleError, assemble, gguf_path
 from hf_specdec.models.cli import main as cli_main
-from hf_specdec.models.profile import model_format
+from hf_specdec.models.formats import model_format
 
 
 def _no_network(package, version, dest):
@@ -230,7 +230,7 @@ def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
     def boom(path, **kwargs):
         raise exc
 
-    monkeypatch.setattr(loading, "_from_pretrained", boom)
+    monkeypatch.setattr(refs, "from_pretrained", boom)
     with pytest.raises(hardware.ModelLoadOOMError, match="4-bit") as info:
         loading.load_model(str(tiny_dir), dtype="bf16")
     assert isinstance(info.value, RuntimeError) and "smaller draft" in str(info.value)
@@ -238,7 +238,7 @@ def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
 
 
 def test_other_load_errors_pass_through(monkeypatch, tiny_dir):
-    monkeypatch.setattr(loading, "_from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
+    monkeypatch.setattr(refs, "from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
     with pytest.raises(RuntimeError, match="bad") as info:
         loading.load_model(str(tiny_dir), dtype="bf16")
     assert not isinstance(info.value, hardware.ModelLoadOOMError)
