@@ -404,3 +404,98 @@ def test_harness_seeds_the_speculative_memory_from_a_given_profile(tmp_path):
                              load_time_s=0.0, choice=None)
     assert choice_line("target", asked) == "target fp32 (as asked)"
     assert choice_line("draft", dataclasses.replace(asked, quantize="4bit")) == "draft 4bit (as asked)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# damaged caches never raise (issue 30): measured again, or kept in memory, with a warning
+
+
+def _entry(config, role="target", fmt="bf16") -> P.ProfileKey:
+    return P.ProfileKey(role, fmt, P.model_fingerprint(config), P.DeviceIdentity.here("cpu"), torch.__version__)
+
+
+def test_a_damaged_cache_entry_is_measured_again(tmp_path, caplog):
+    config = tiny_model("qwen2").config
+    calls = []
+    measure = _fake_measurer(calls)
+    S.get_profile(config, cache_dir=tmp_path, measurer=measure, target_formats=["bf16"])
+    path = _entry(config).path(tmp_path)
+    good = json.loads(path.read_text())
+    damaged = {
+        "not UTF-8": b"\xff\xfe{\x00",
+        "a step of the wrong type": json.dumps({**good, "cost": {**good["cost"], "step": [[1, 0.2]]}}).encode(),
+        "a cost of the wrong type": json.dumps({**good, "cost": ["bf16"]}).encode(),
+        "a time that is no number": json.dumps({**good, "cost": {**good["cost"], "step": {"1": None}}}).encode(),
+    }
+    for what, data in damaged.items():
+        path.write_bytes(data)
+        calls.clear()
+        caplog.clear()
+        profile = S.get_profile(config, cache_dir=tmp_path, measurer=measure, target_formats=["bf16"])
+        assert calls == [("target", "bf16")], what  # measured again
+        assert profile.target_formats == ("bf16",) and str(path) in caplog.text, what  # with a warning
+        assert S.read_entry(_entry(config), tmp_path) == profile.target[0], what  # and rewritten
+
+
+def test_seed_memory_runs_unseeded_parts_past_a_damaged_entry(tmp_path):
+    from hf_specdec import enable
+    from hf_specdec.harness import seed_memory
+
+    target, draft = tiny_model("qwen2"), tiny_model("llama").to(torch.bfloat16)
+    S.get_profile(target, draft, cache_dir=tmp_path, measurer=_fake_measurer([]))
+    path = _entry(draft.config, "draft", "bf16").path(tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "cost": {**data["cost"], "step": [[1, 0.2]]}}))
+    enable(target)
+    record = seed_memory(target, draft, cache_dir=tmp_path)  # never raises: the target's t(n) is still seeded
+    assert record["seeded"] and record["forward_sizes"] == list(F.TARGET_SIZES) and record["draft_step_s"] is None
+
+
+def test_an_unwritable_cache_keeps_the_measured_profile(tmp_path, caplog):
+    config = tiny_model("qwen2").config
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")  # <cache>/profiles cannot be made
+    profile = S.get_profile(config, cache_dir=blocked, measurer=_fake_measurer([]), target_formats=["bf16"])
+    assert profile.target_formats == ("bf16",) and "cannot be written" in caplog.text
+    path = _entry(config).path(tmp_path)
+    path.mkdir(parents=True)  # the entry's name taken: the rename fails after the temporary file is written
+    profile = S.get_profile(config, cache_dir=tmp_path, measurer=_fake_measurer([]), target_formats=["bf16"])
+    assert profile.target_formats == ("bf16",)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the draft's prompt read: measured warm at a few prompt lengths, kept in the profile, old files still read
+
+
+def test_the_draft_prompt_read_is_measured_and_kept(tmp_path):
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    draft = M.measure_format(model.config, "draft", "fp32", repeats=1, read_tokens=(8, 32))
+    assert [n for n, _ in draft.prompt_read] == [8, 32] and all(s > 0 for _, s in draft.prompt_read)
+    target = M.measure_format(model.config, "target", "fp32", sizes=(1, 2), repeats=1, prefill_tokens=8)
+    assert target.prompt_read == ()  # a target's prompt is its prefill
+    assert P.FormatCost.from_dict(json.loads(json.dumps(draft.to_dict()))) == draft
+    old = {k: v for k, v in draft.to_dict().items() if k != "prompt_read"}  # a file written before it was measured
+    assert P.FormatCost.from_dict(old).prompt_read == ()
+    profile = P.HardwareProfile.from_numbers(draft={"4bit": 0.05}, draft_read={"4bit": {16: 0.012, 64: 0.018,
+                                                                                        256: 0.042}})
+    assert profile.draft_read("4bit") == {16: 0.012, 64: 0.018, 256: 0.042}
+    assert P.linear_parts(profile.draft_read("4bit")) == pytest.approx((0.01, 0.000125))
+    assert "draft prompt read" in profile.describe() and "10.0 ms + 0.125 ms/token" in profile.describe()
+    with pytest.raises(ValueError):
+        P.FormatCost("4bit", {1: 0.05}, prompt_read={16: -1.0})
+
+
+def test_seed_memory_passes_the_draft_prompt_read():
+    from hf_specdec import enable
+    from hf_specdec.harness import seed_memory
+
+    target, draft = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+    given = P.HardwareProfile.from_numbers({"fp32": {1: 0.2, 2: 0.21}}, draft={"fp32": 0.05},
+                                           draft_read={"fp32": {16: 0.02, 64: 0.05}})
+    enable(target)
+    record = seed_memory(target, draft, profile=given)
+    assert record["draft_read_seconds"] == {16: 0.02, 64: 0.05} and "prompt read at 16/64 tokens" in record["why"]
+    assert target.speculative_memory.estimates(draft).draft_read.estimate(64) == pytest.approx(0.05)
+    plain = tiny_model("qwen2", seed=2)
+    assert "not enabled" in seed_memory(plain, draft, profile=given)["why"]  # seeding enables nothing itself
