@@ -32,16 +32,22 @@ class ModelLoadOOMError(RuntimeError):
     """Loading a model ran out of memory (GPU or host). The message says what to try instead."""
 
 
+def _proc_field(path: str, *names: str) -> str | None:
+    """The value of the first ``name: value`` line of a /proc file whose name is one of ``names`` (None where the
+    file cannot be read, not Linux, or has no such line): ``_proc_field("/proc/meminfo", "MemAvailable")``."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _read_cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_proc_field("/proc/cpuinfo", "flags", "Features") or "").split())
 
 
 def cpu_flags() -> frozenset[str]:
@@ -61,15 +67,7 @@ RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where that cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            lines = fh.read().splitlines()
-    except OSError:  # not Linux
-        lines = []
-    for line in lines:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
 
 
 def machine_record(device: torch.device | str | None = None, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
@@ -204,14 +202,9 @@ def available_memory_bytes(device: str) -> int | None:
     if str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        with open("/proc/meminfo") as fh:
-            lines = fh.read().splitlines()
-    except OSError:  # not Linux
-        lines = []
-    for line in lines:
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
+    available = _proc_field("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        return int(available.split()[0]) * 1024  # "123456 kB"
     if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     return None
