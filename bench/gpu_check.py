@@ -4,7 +4,7 @@
     python bench/gpu_check.py --device cpu --tiny --out smoke.json  # seconds, anywhere: the smoke test
 
 Random-weight models of the real Qwen2.5-Coder-1.5B / 0.5B shapes are built on the device from the configs below
-(``hf_specdec.models.profile.build_proxy`` with every layer). Measured, in order, all written to one JSON file:
+(``hf_specdec.models.build_proxy`` with every layer). Measured, in order, all written to one JSON file:
 
 1. ``t_n``: the target's t(n), one forward over n new tokens on a cached 100-token prefix
    (``hf_specdec.costmodel.forward_times``), n = 1..32, and v(n) = t(n) / t(1); the draft's t(1) and c.
@@ -71,7 +71,7 @@ def build(config_dict: dict, dtype: str, device: str):
     """A random-weight model of this config on ``device`` (every layer; no weights loaded)."""
     from transformers import AutoConfig
 
-    from hf_specdec.models.profile import build_proxy
+    from hf_specdec.models import build_proxy
 
     data = {k: v for k, v in config_dict.items() if k != "architectures"}
     config = AutoConfig.for_model(data.pop("model_type"), **data)
@@ -114,7 +114,7 @@ def measure_t_n(target, draft, vocab: int, repeats: int) -> dict:
 
 # -- 2. the profile's proxies against the full models ----------------------------------------------------------------
 def measure_profile(target, target_config, draft_config, t_n: dict, device: str, formats: tuple[str, ...]) -> dict:
-    from hf_specdec.models import profile as P
+    from hf_specdec import models as P
 
     out: dict = {"target": {}, "draft": {}, "notes": []}
     entries = []

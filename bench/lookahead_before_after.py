@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
         forward_seconds = None
         if args.cold:
-            from hf_specdec.models.profile import cached_costs
+            from hf_specdec.models import cached_costs
 
             forward_seconds, _ = cached_costs(model)  # None: not profiled yet (`hf-specdec tune`), unseeded
 

@@ -95,7 +95,7 @@ def real_paths(target: str, sizes, repeats) -> list[dict]:
 
 
 def compiled_paths(target: str, sizes, repeats) -> list[dict]:
-    from hf_specdec.models.profile import build_proxy, config_of
+    from hf_specdec.models import build_proxy, config_of
 
     config, _ = config_of(target, progress=False)
     rows = []

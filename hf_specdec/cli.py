@@ -11,7 +11,7 @@ GENERATE_MODES = ("speculative", "lookahead", "plain")  # speculative = specdec_
 def _generate(args: argparse.Namespace) -> int:
     from hf_specdec.harness import MODES, Harness, IncrementalText, RoundStreamer, Settings, choice_line
     from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, Workload, load_model, load_pair
-    from hf_specdec.models.profile import read_profile_file
+    from hf_specdec.models import read_profile_file
 
     mode = MODES[f"specdec_{args.policy}" if args.mode == "speculative" else args.mode]
     workload = Workload(new_tokens=args.max_new_tokens)

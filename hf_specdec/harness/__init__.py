@@ -7,19 +7,24 @@ presets and ``hf-specdec generate``.
         row = harness.generate_row("specdec_adaptive", prompt.input_ids, seed=0)
         print(row["tokens_per_s"], row["mean_accepted_length"], harness.memory_seed["why"])
 
-- ``modes``: the mode registry (``MODES``, ``get_mode``, ``parse_modes``; ``PLAIN_DTYPE_MODES``);
+- ``modes``: the mode registry (``MODES``, ``get_mode``, ``parse_modes``; ``PLAIN_DTYPE_MODES``) and
+  ``Settings``, how every mode decodes;
 - ``streaming``: ``RoundStreamer`` (first-token time, rounds, cancel), ``IncrementalText``;
 - ``encoding``: ``encode_prompt``, ``chat_text``;
 - ``formats``: ``choice_line`` / ``choices_record`` (what loading chose and why), ``seed_memory``;
-- ``machine``: ``machine_record``, carried by every report;
-- ``run``: ``Harness.generate_row`` (one timed call and its measurements), ``warm_up``, ``measure_costs``.
+- ``run``: ``Harness.generate_row`` (one timed call and its measurements), ``warm_up``.
+
+Handed on from ``hf_specdec.models`` (the harness stands on it, never the other way round): ``machine_record``
+(the machine every report carries) and ``measure_costs`` (the offline cost probe of loaded models).
 """
 
 from .encoding import EncodedPrompt, chat_text, encode_prompt
 from .formats import choice_line, choices_record, loaded_format, seed_memory
-from .machine import machine_record
-from .modes import DRAFT_MODES, MODES, PLAIN_DTYPE_MODES, PLAIN_FORMATS, Mode, get_mode, parse_modes, plain_format
-from .run import ForwardCounter, Harness, Settings, device_of, measure_costs, warm_up
+from ..models.hardware import machine_record
+from ..models.measure import measure_costs
+from .modes import (DRAFT_MODES, MODES, PLAIN_DTYPE_MODES, PLAIN_FORMATS, Mode, Settings, get_mode, parse_modes,
+                    plain_format)
+from .run import ForwardCounter, Harness, device_of, warm_up
 from .streaming import GenerationCancelled, IncrementalText, RoundStreamer
 
 __all__ = [

@@ -26,31 +26,51 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .. import SpecConfig, enable
-
-if TYPE_CHECKING:
-    from .run import Harness, Settings
+from .. import LookaheadConfig, LookaheadMemory, SpecConfig, enable
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @dataclass(frozen=True)
+class Settings:
+    """How every mode decodes: the same for all modes of one comparison."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy; > 0: plain sampling (no top-k/top-p) for every mode
+    spec_k: int = 4  # k of specdec_fixed, the starting k of specdec_heuristic and specdec_adaptive
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+
+
+class Models(Protocol):
+    """What a mode decodes with: the models of one comparison and the lookahead memories (``run.Harness`` is
+    one). Modes name this, not the harness, so that the harness imports the modes and not the other way round."""
+
+    target: Any
+    draft: Any
+    memory: LookaheadMemory
+
+    def cold_memory(self) -> LookaheadMemory: ...
+
+    def plain_target(self, fmt: str) -> Any: ...
+
+
+@dataclass(frozen=True)
 class Mode:
-    """One decoding mode: ``call(harness, settings, kwargs)`` runs it with the common ``generate`` kwargs."""
+    """One decoding mode: ``call(models, settings, kwargs)`` runs it with the common ``generate`` kwargs."""
 
     name: str
     title: str
     needs_draft: bool
     hf_specdec: bool  # decoded by hf_specdec: its SpecStats land in ``model.last_spec_stats``
-    call: Callable[["Harness", "Settings", dict[str, Any]], Any]
+    call: Callable[[Models, Settings, dict[str, Any]], Any]
 
 
 def _transformers(**extra) -> Callable:
-    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+    def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         return type(h.target).generate(h.target, **kwargs, **extra)
 
     return call
@@ -73,7 +93,7 @@ def _assistant_tokens(draft, k: int | None) -> Iterator[None]:
 
 
 def _assisted(k: int | None) -> Callable:
-    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+    def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         with _assistant_tokens(h.draft, k):
             return type(h.target).generate(h.target, **kwargs, assistant_model=h.draft)
 
@@ -81,7 +101,7 @@ def _assisted(k: int | None) -> Callable:
 
 
 def _specdec(policy: str) -> Callable:
-    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+    def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         k = settings.spec_k
         config = SpecConfig(policy=policy, num_draft_tokens=k, max_draft_tokens=max(SpecConfig.max_draft_tokens, k))
         return enable(h.target).generate(**kwargs, assistant_model=h.draft, spec_config=config)
@@ -90,7 +110,7 @@ def _specdec(policy: str) -> Callable:
 
 
 def _lookahead(warm: bool) -> Callable:
-    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+    def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         return enable(h.target).generate(**kwargs, decoding="lookahead", lookahead_config=settings.lookahead,
                                          lookahead_memory=h.memory if warm else h.cold_memory())
 
@@ -114,7 +134,7 @@ PLAIN_FORMATS = ("bf16", "fp16", "fp32")
 
 
 def _plain_copy(fmt: str) -> Callable:
-    def call(h: "Harness", settings: "Settings", kwargs: dict[str, Any]):
+    def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         model = h.plain_target(fmt)
         return type(model).generate(model, **kwargs)
 

@@ -1,4 +1,4 @@
-"""One timed generation of one mode on one prompt, and the offline cost probe: what every caller measures with.
+"""One timed generation of one mode on one prompt: what every caller measures with.
 
 ``Harness(target, tokenizer, draft, settings).generate_row(mode, input_ids, seed)`` returns the measurements
 of one call (a row of the eval harness, the numbers of a demo pane, the summary of ``hf-specdec generate``):
@@ -14,10 +14,13 @@ of one call (a row of the eval harness, the numbers of a demo pane, the summary 
   its rounds; ``streamed_tokens``; ``peak_mem_bytes`` and ``mem_kind`` (CUDA max allocated, or the process's
   peak RSS reset before the call).
 
-With a draft, the harness enables hf_specdec on the target and seeds ``target.speculative_memory`` for the
-draft from the hardware profile (a given one, else the profile cache; never measured here:
-``formats.seed_memory``), so the first speculative call starts sized; ``harness.memory_seed`` says whether it
+With a draft, the harness enables hf_specdec on the target (``hf_specdec.enable``) and seeds
+``target.speculative_memory`` for the draft from the hardware profile (a given one, else the profile cache;
+never measured here: ``formats.seed_memory``), so the first speculative call starts sized; ``harness.memory_seed`` says whether it
 was seeded and with what. transformers' modes are untouched by this (they call the class's ``generate``).
+
+The offline cost probe of loaded models, ``measure_costs``, lives with the profile's timing
+(``hf_specdec.models.measure``); ``hf_specdec.harness`` hands it on.
 """
 
 from __future__ import annotations
@@ -25,28 +28,16 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .. import LookaheadConfig, LookaheadMemory
-from ..costmodel import forward_times
+from .. import LookaheadMemory, enable
 from .encoding import EncodedPrompt, encode_prompt
 from .formats import seed_memory as _seed_memory
-from .modes import get_mode, plain_format
+from .modes import Settings, get_mode, plain_format
 from .streaming import RoundStreamer
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How every mode decodes: the same for all modes of one comparison."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy; > 0: plain sampling (no top-k/top-p) for every mode
-    spec_k: int = 4  # k of specdec_fixed, the starting k of specdec_heuristic and specdec_adaptive
-    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
 
 
 def device_of(model) -> torch.device:
@@ -115,6 +106,7 @@ class Harness:
                                 if model is not target}
         self.memory_seed: dict[str, Any] | None = None
         if draft is not None and seed_memory:
+            enable(target)  # the speculative memory to seed is hf_specdec's, kept on the target
             self.memory_seed = _seed_memory(target, draft, profile=profile, cache_dir=profile_cache_dir)
         self.forward_seconds = (self.memory_seed or {}).get("forward_seconds")  # the profile's t(n), or None
         self.memory = self.cold_memory()
@@ -276,23 +268,3 @@ def warm_up(run_once: Callable[[str], object], modes: Iterable[str], rounds: int
             except Exception as err:  # noqa: BLE001 - returned to the caller, who shows it
                 failed[mode] = f"{type(err).__name__}: {err}"
     return failed
-
-
-def measure_costs(target, draft,
-                  prefix_ids: torch.LongTensor,  # [1, L] the cached context
-                  sizes: Sequence[int], repeats: int = 5) -> dict:
-    """Forward costs measured offline by :func:`hf_specdec.costmodel.forward_times` (median of ``repeats``).
-
-    ``t_s[n]``: seconds of one target forward over n new tokens;
-    ``t_step_s`` = t(1); ``v[n]`` = t(n) / t(1); with a draft, ``t_draft_s`` (one draft forward over 1 new
-    token) and ``c`` = t_draft / t_step. Keys of ``t_s`` and ``v`` are strings (JSON).
-    """
-    sizes = sorted({1, *(int(n) for n in sizes)})
-    times = forward_times(target, prefix_ids, sizes, repeats)
-    t_step = times[1]
-    result: dict[str, Any] = {"repeats": repeats, "context_tokens": int(prefix_ids.shape[1]), "t_step_s": t_step,
-                              "t_s": {str(n): times[n] for n in sizes}, "v": {str(n): times[n] / t_step for n in sizes}}
-    if draft is not None:
-        t_draft = forward_times(draft, prefix_ids, [1], repeats)[1]
-        result.update(t_draft_s=t_draft, c=t_draft / t_step)
-    return result

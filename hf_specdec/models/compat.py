@@ -21,9 +21,12 @@ Predicted speedup for k draft tokens per round::
 
 with E(k) = (1 - alpha^(k+1)) / (1 - alpha) (i.i.d. acceptance) or the measured run-length mean.
 
-Before loading anything, the check takes the hardware profile of the pair (``hf_specdec.models.profile``: measured
+Before loading anything, the check takes the hardware profile of the pair (``hf_specdec.models.store``: measured
 once per model, device and torch version, then cached; ``tune`` refreshes it) and reports what ``dtype="auto"``
-and ``quantize="auto"`` choose from it and why; the models are loaded as chosen (or as asked).
+and ``quantize="auto"`` choose from it and why (``choose``); the models are loaded as chosen (or as asked).
+
+It stands on the rest of ``hf_specdec.models`` (the cost probe is ``measure.measure_costs``, the machine record
+``hardware.machine_record``) and imports nothing of the harness, which stands on models.
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from typing import Any, Sequence
 
 import torch
 
-from ..harness.machine import machine_record
-from ..harness.run import measure_costs as harness_costs
 from .bundles import BUNDLES
-from .hardware import available_memory_bytes, cpu_has_bf16, footprint_bytes, resolve_device
-from .loading import load_config, load_pair, load_tokenizer, reference_kind, resolve_reference
-from .profile import HardwareProfile, Workload, choose_draft_format, choose_dtype, get_profile
+from .choose import Workload, choose_draft_format, choose_dtype
+from .formats import model_format
+from .hardware import available_memory_bytes, cpu_has_bf16, footprint_bytes, machine_record, resolve_device
+from .loading import load_pair
+from .measure import measure_costs as probe_costs
+from .profile import HardwareProfile
+from .refs import load_config, load_tokenizer, reference_kind, resolve_reference
+from .store import get_profile
 
 SCHEMA = "hf_specdec.check/3"
 # vLLM V1 dropped draft-model speculation and re-added it as "method": "draft_model" (PR #24322); 0.13.0 still
@@ -142,9 +148,9 @@ def _prefix_ids(tokenizer, length: int, vocab: int) -> torch.Tensor:
 def measure_costs(target, draft, tokenizer, *, shared_vocab: int, max_k: int = 8, repeats: int = 5,
                   prefix_tokens: int = 100) -> dict:
     """``c`` and ``v(k)`` for k = 0..max_k (see the module docstring), by the one offline probe
-    (``hf_specdec.harness.measure_costs`` over ``hf_specdec.costmodel.forward_times``: medians)."""
+    (``hf_specdec.models.measure.measure_costs`` over ``hf_specdec.costmodel.forward_times``: medians)."""
     prefix = _prefix_ids(tokenizer, prefix_tokens, shared_vocab)
-    costs = harness_costs(target, draft, prefix, range(1, max_k + 2), repeats)
+    costs = probe_costs(target, draft, prefix, range(1, max_k + 2), repeats)
     return {
         "t_step_ms": costs["t_step_s"] * 1e3,
         "t_draft_ms": costs["t_draft_s"] * 1e3,
@@ -304,22 +310,9 @@ def _profile_error(profile: HardwareProfile, cost: dict, target_format: str, dra
     return out
 
 
-def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None = None, max_new_tokens: int = 64,
-              draft_quantize: str | None = "auto", dtype: str = "auto", device: str = "cpu", cache_dir=None,
-              repeats: int = 5, max_k: int = 8, progress: bool = True, log=None,
-              profile: HardwareProfile | None = None, tune: bool = False, workload: Workload | None = None) -> dict:
-    """Run the whole check and return the report (the ``--json`` object, schema in docs/models.md).
-
-    ``profile``: use this hardware profile instead of the cached / measured one; ``tune``: measure it again.
-    ``dtype`` and ``draft_quantize`` "auto" load the models as the profile chooses for ``workload``.
-    """
-    from .profile import model_format
-
-    log = log or (lambda msg: None)
-    device = resolve_device(device)
-    workload = workload or Workload()
-    prompts = list(prompts) if prompts else list(BUILTIN_PROMPTS)
-    report: dict[str, Any] = {
+def _new_report(device: str, dtype: str) -> dict[str, Any]:
+    """A check report with nothing measured yet: the machine, and None for every later answer."""
+    return {
         "schema": SCHEMA, "compatible": False, "reason": None,
         "hardware": {**machine_record(device, None if dtype == "auto" else dtype), "cpu_bf16": cpu_has_bf16()},
         "target": None, "draft": None, "tokenizer": None,
@@ -327,22 +320,27 @@ def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None 
         "cost": None, "profile_error": None, "acceptance": None, "prediction": None, "recommendation": None,
         "vllm": None,
     }
-    # 1. tokenizers and configs only: an incompatible pair is refused before any weights load
+
+
+def _check_tokenizers(report: dict, target_ref: str, draft_ref: str, *, cache_dir, progress: bool):
+    """1. Tokenizers and configs only (no weights): fills the report's ``target``, ``draft``, ``tokenizer`` and
+    ``compatible``; returns the resolved references and the target's tokenizer."""
     rt = resolve_reference(target_ref, cache_dir=cache_dir, progress=progress)
     rd = resolve_reference(draft_ref, cache_dir=cache_dir, progress=progress)
     tok_t, tok_d = load_tokenizer(rt), load_tokenizer(rd)
-    config_t, config_d = load_config(rt), load_config(rd)
-    rows_t, rows_d = vocab_rows(config_t), vocab_rows(config_d)
+    rows_t, rows_d = vocab_rows(load_config(rt)), vocab_rows(load_config(rd))
     report["target"], report["draft"] = _model_info(target_ref, rt, rows_t), _model_info(draft_ref, rd, rows_d)
     compat = tokenizer_compatibility(tok_t, tok_d, rows_t, rows_d)
     report["tokenizer"] = compat
     report["compatible"], report["reason"] = compat["compatible"], compat["reason"]
-    if not compat["compatible"]:
-        return report
+    return rt, rd, tok_t
 
-    # 2. the hardware profile and what it chooses, then load and size
-    if profile is None:
-        profile = get_profile(rt, rd, device=device, cache_dir=cache_dir, refresh=tune, log=log)
+
+def _load_as_chosen(report: dict, profile: HardwareProfile, target_ref: str, draft_ref: str, *, workload: Workload,
+                    dtype: str, draft_quantize: str | None, device: str, cache_dir, progress: bool, log):
+    """2. What the profile chooses, then the pair loaded (as chosen or as asked) and sized: fills ``profile``,
+    ``choices``, the models' sizes and formats and ``parameter_ratio``; returns the loaded target and draft and
+    the draft's ``LoadInfo``."""
     report["profile"] = profile.to_dict()
     report["choices"] = profile_choices(profile, workload, available_memory_bytes(device))
     log("loading target and draft...")
@@ -358,8 +356,34 @@ def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None 
                     quantize=load.quantize, format=model_format(model), load_time_s=load.load_time_s,
                     choice=load.choice.to_dict() if load.choice else None)
     report["parameter_ratio"] = report["draft"]["parameters"] / report["target"]["parameters"]
-    shared = compat["shared_vocab_size"]
+    return target, draft, draft_load
 
+
+def run_check(target_ref: str, draft_ref: str, *, prompts: Sequence[str] | None = None, max_new_tokens: int = 64,
+              draft_quantize: str | None = "auto", dtype: str = "auto", device: str = "cpu", cache_dir=None,
+              repeats: int = 5, max_k: int = 8, progress: bool = True, log=None,
+              profile: HardwareProfile | None = None, tune: bool = False, workload: Workload | None = None) -> dict:
+    """Run the whole check and return the report (the ``--json`` object, schema in docs/models.md).
+
+    ``profile``: use this hardware profile instead of the cached / measured one; ``tune``: measure it again.
+    ``dtype`` and ``draft_quantize`` "auto" load the models as the profile chooses for ``workload``.
+    """
+    log = log or (lambda msg: None)
+    device = resolve_device(device)
+    workload = workload or Workload()
+    prompts = list(prompts) if prompts else list(BUILTIN_PROMPTS)
+    report = _new_report(device, dtype)
+    # 1. an incompatible pair is refused before any weights load
+    rt, rd, tok_t = _check_tokenizers(report, target_ref, draft_ref, cache_dir=cache_dir, progress=progress)
+    if not report["compatible"]:
+        return report
+    # 2. the hardware profile and what it chooses, then load and size
+    if profile is None:
+        profile = get_profile(rt, rd, device=device, cache_dir=cache_dir, refresh=tune, log=log)
+    target, draft, draft_load = _load_as_chosen(report, profile, target_ref, draft_ref, workload=workload,
+                                                dtype=dtype, draft_quantize=draft_quantize, device=device,
+                                                cache_dir=cache_dir, progress=progress, log=log)
+    shared = report["tokenizer"]["shared_vocab_size"]
     # 3. cost, 4. acceptance, prediction
     log(f"measuring c and v(k) for k=0..{max_k} ({repeats} repeats)...")
     report["cost"] = measure_costs(target, draft, tok_t, shared_vocab=shared, max_k=max_k, repeats=repeats)

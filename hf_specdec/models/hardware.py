@@ -1,9 +1,10 @@
 """dtype, device and memory: dtype names, quantization of a draft (bitsandbytes 4-bit / 8-bit, torch dynamic
-int8), footprints, the memory available, OOM at load.
+int8), footprints, the memory available, OOM at load; and the machine itself: its CPU's name and flags, and the
+``machine_record`` every report carries (``hf-specdec check``, the eval harness, the bench scripts).
 
 ``dtype="auto"`` and ``quantize="auto"`` are not decided here: no CPU-flag rule predicts what is fast (on an AVX2
 EPYC bf16 steps faster than fp32 but verifies 8 tokens at ~8x the cost). They are decided by the measured
-hardware profile (``hf_specdec.models.profile``) in ``load_model``.
+hardware profile (``hf_specdec.models.choose``) in ``load_model``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import warnings
 from typing import Any
 
@@ -30,16 +32,22 @@ class ModelLoadOOMError(RuntimeError):
     """Loading a model ran out of memory (GPU or host). The message says what to try instead."""
 
 
+def _proc_field(path: str, *names: str) -> str | None:
+    """The value of the first ``name: value`` line of a /proc file whose name is one of ``names`` (None where the
+    file cannot be read, not Linux, or has no such line): ``_proc_field("/proc/meminfo", "MemAvailable")``."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _read_cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_proc_field("/proc/cpuinfo", "flags", "Features") or "").split())
 
 
 def cpu_flags() -> frozenset[str]:
@@ -51,6 +59,44 @@ def cpu_has_bf16() -> bool:
     """True when the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16)."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# the flags a report shows: bf16 is native only with avx512_bf16 or amx_bf16
+RELEVANT_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where that cannot be read)."""
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+
+
+def machine_record(device: torch.device | str | None = None, dtype: torch.dtype | str | None = None) -> dict[str, Any]:
+    """Where and with what a measurement was taken (JSON-ready): CPU, its relevant flags, threads, GPU, versions.
+
+        machine_record("cpu", "bf16")["cpu_flags"]   # ["avx2", "avx512f", ...]
+    """
+    import transformers
+
+    from .. import __version__
+
+    flags = cpu_flags()
+    record: dict[str, Any] = {
+        "cpu_model": cpu_model(),
+        "cpu_flags": [f for f in RELEVANT_CPU_FLAGS if f in flags],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_specdec": __version__,
+        "device": None if device is None else str(device),
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+    }
+    if torch.cuda.is_available():
+        record["gpu"] = torch.cuda.get_device_name(0)
+        record["cuda"] = torch.version.cuda
+    return record
 
 
 def resolve_device(device: str | torch.device = "auto") -> str:
@@ -156,14 +202,9 @@ def available_memory_bytes(device: str) -> int | None:
     if str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    try:
-        with open("/proc/meminfo") as fh:
-            lines = fh.read().splitlines()
-    except OSError:  # not Linux
-        lines = []
-    for line in lines:
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
+    available = _proc_field("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        return int(available.split()[0]) * 1024  # "123456 kB"
     if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     return None

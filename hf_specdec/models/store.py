@@ -1,0 +1,156 @@
+"""The profile's store: one JSON file per measurement under ``<cache>/profiles/``, keyed by ``ProfileKey``, and
+``get_profile``, which reads what is cached and measures (``measure``) what is not.
+
+    profile = get_profile("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")   # measured once
+    forward, steps = cached_costs(model, draft)    # loaded models, from the cache only: {n: s}, {rows: s}
+    profile = cached_profile(model, draft)         # the same as a HardwareProfile (prompt reads included)
+
+A cache is a speed hint, never a reason to fail: an entry that cannot be read (not UTF-8, not JSON, a value of
+the wrong type) is measured again with a logged warning, and a cache that cannot be written keeps the measured
+profile in memory with a warning, leaving no temporary file behind. Entries are written to a temporary name and
+renamed: never half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from . import measure
+from .formats import FORMAT_DTYPES, FormatUnavailable, as_format, candidate_formats, model_format
+from .hardware import resolve_device
+from .profile import DeviceIdentity, FormatCost, HardwareProfile, ProfileKey, model_fingerprint
+from .refs import config_of
+
+logger = logging.getLogger(__name__)
+
+Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights) -> FormatCost
+
+
+def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
+    """The cached measurement for ``key``, or None: absent, written for another key, or damaged (unreadable,
+    not UTF-8, not JSON, or not a measurement: logged as a warning, then measured again and rewritten)."""
+    path = key.path(cache_dir)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:  # ValueError: UnicodeDecodeError and JSONDecodeError
+        logger.warning("hardware profile cache entry %s cannot be read (%s: %s); measuring it again", path,
+                       type(err).__name__, err)
+        return None
+    if not isinstance(data, dict) or data.get("key") != key.to_dict():
+        return None
+    try:
+        return FormatCost.from_dict(data.get("cost"))
+    except ValueError as err:
+        logger.warning("hardware profile cache entry %s is damaged (%s); measuring it again", path, err)
+        return None
+
+
+def write_entry(key: ProfileKey, cost: FormatCost, cache_dir=None, seconds: float | None = None) -> Path:
+    """Store one measurement (written to a temporary name, then renamed: never half a file, and no temporary
+    file left when writing fails). Raises OSError when the cache cannot be written."""
+    path = key.path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"key": key.to_dict(), "cost": cost.to_dict(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "measure_seconds": seconds}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)  # gone once renamed; removed when anything failed
+    return path
+
+
+def _stored(key: ProfileKey, cost: FormatCost, cache_dir, seconds: float) -> None:
+    """Write one measurement; a cache that cannot be written is a warning (the profile holds the measurement)."""
+    try:
+        write_entry(key, cost, cache_dir, seconds)
+    except OSError as err:
+        logger.warning("hardware profile cache %s cannot be written (%s: %s); this measurement is not kept for "
+                       "the next run", key.path(cache_dir).parent, type(err).__name__, err)
+
+
+def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None, refresh: bool = False,
+                cached_only: bool = False, target_formats: Iterable[str] | None = None,
+                draft_formats: Iterable[str] | None = None, measurer: Measurer | None = None,
+                log: Callable[[str], None] | None = None) -> HardwareProfile:
+    """The hardware profile of a target and/or a draft (configs, models, references or resolved references) on
+    ``device``.
+
+    Each (role, format) comes from the cache when its key matches, else it is measured (``measurer``, default
+    :func:`hf_specdec.models.measure.measure_format`) and cached. ``refresh``: measure everything again;
+    ``cached_only``: never measure (what is not cached is left out). Formats that cannot be measured here are
+    left out with a note. A damaged cache entry is measured again and a cache that cannot be written is
+    warned about: neither raises.
+    """
+    device = resolve_device(device)
+    measurer = measurer or measure.measure_format
+    log = log or (lambda msg: None)
+    identity = DeviceIdentity.here(device)
+    entries: dict[str, list[FormatCost]] = {"target": [], "draft": []}
+    fingerprints: dict[str, str | None] = {"target": None, "draft": None}
+    notes: list[str] = []
+    for role, ref, formats in (("target", target, target_formats), ("draft", draft, draft_formats)):
+        if ref is None:
+            continue
+        config, weights = config_of(ref, cache_dir=cache_dir)
+        fingerprints[role] = fingerprint = model_fingerprint(config)
+        for fmt in (as_format(f) for f in (formats or candidate_formats(role, device))):
+            key = ProfileKey(role, fmt, fingerprint, identity, torch.__version__)
+            cost = None if refresh else read_entry(key, cache_dir)
+            if cost is None and not cached_only:
+                log(f"measuring the {role} in {fmt} on {identity.label} (once; cached in {key.path(cache_dir)})")
+                start = time.perf_counter()
+                try:
+                    cost = measurer(config, role, fmt, device, weights)
+                except FormatUnavailable as err:
+                    notes.append(f"{role} {fmt}: {err}")
+                    continue
+                _stored(key, cost, cache_dir, time.perf_counter() - start)
+            if cost is not None:
+                entries[role].append(cost)
+    return HardwareProfile(identity, torch.__version__, tuple(entries["target"]), tuple(entries["draft"]),
+                           fingerprints["target"], fingerprints["draft"], tuple(notes))
+
+
+def cached_profile(target, draft=None, *, cache_dir=None) -> HardwareProfile:
+    """The cached profile of a loaded ``target`` in its format and a loaded ``draft`` in its format, on the
+    target's device: at most one entry per role (none where nothing is cached). Never measures, so it costs a
+    few file reads at the start of a call."""
+    device = str(next(target.parameters()).device)
+    target_format = model_format(target)
+    draft_formats = [model_format(draft)] if draft is not None else None
+    return get_profile(target, draft, device=device, cache_dir=cache_dir, cached_only=True,
+                       target_formats=[target_format] if target_format in FORMAT_DTYPES else [],
+                       draft_formats=draft_formats)
+
+
+def cached_costs(target, draft=None, *, cache_dir=None) -> tuple[dict[int, float] | None, dict[int, float] | None]:
+    """For the decoding core: the cached t(n) table of a loaded ``target`` in its format and the cached draft step
+    by rows of a loaded ``draft`` in its format, on the target's device, or None for what is not cached. Never
+    measures (``cached_profile``; the draft's prompt read is there too, ``profile.draft[0].read_table``):
+
+        forward_seconds, draft_step_seconds = cached_costs(model, draft)  # {n: s}, {rows: s}
+        model.speculative_memory.seed(draft, forward_seconds, draft_step_seconds)
+    """
+    profile = cached_profile(target, draft, cache_dir=cache_dir)
+    forward = profile.target[0].table if profile.target else None
+    steps = profile.draft[0].table if profile.draft else None
+    return forward, steps
+
+
+def read_profile_file(path: str | os.PathLike) -> HardwareProfile:
+    """A profile from a JSON file written by ``hf-specdec tune --json`` (or ``HardwareProfile.to_dict``)."""
+    data = json.loads(Path(path).read_text())
+    return HardwareProfile.from_dict(data.get("profile", data) if isinstance(data, dict) else data)
