@@ -80,8 +80,7 @@ def speculative_generate(
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
     else:
-        _check_same_family(model, draft_model)
-        inputs.vocab_size = min(inputs.vocab_size, vocab_size(draft_model))
+        _check_same_family(model, draft_model)  # verified over the target's whole vocabulary, never cut to the draft's
         drafter = ChainDrafter(
             DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
                               draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),

@@ -78,7 +78,7 @@ class DraftModelDrafter:
         logits_processor: LogitsProcessorList,
         *,
         do_sample: bool,
-        vocab_size: int,  # the vocabulary shared with the target (smaller of the two when one is padded)
+        vocab_size: int,  # the target's: drafts are over it, probability 0 in rows the draft lacks
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
         pad_token_id: int = 0,
@@ -87,6 +87,8 @@ class DraftModelDrafter:
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.vocab_size = vocab_size
+        # ids the draft has an embedding for (others read as padding: only its guesses depend on them)
+        self.readable = int(getattr(draft_model.get_input_embeddings(), "num_embeddings", vocab_size))
         self.draft_vocab_size = draft_vocab_size
         self.special_token_ids = special_token_ids
         self.pad_token_id = pad_token_id
@@ -107,11 +109,12 @@ class DraftModelDrafter:
         if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
             keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
                               torch.tensor(self.special_token_ids, dtype=torch.long)])
-            head = SubVocabHead(self.model, torch.unique(keep[keep < self.vocab_size]).to(self.device),
+            scored = min(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])  # rows it has
+            head = SubVocabHead(self.model, torch.unique(keep[keep < scored]).to(self.device),
                                 self.vocab_size)
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
         self.cache = kv.RowCache(self.model, attention, head=head)
-        prompts, mask = _left_padded([view.ids[:-1] for view in views], self.pad_token_id)
+        prompts, mask = _left_padded([self._readable(view.ids[:-1]) for view in views], self.pad_token_id)
         if prompts.shape[1]:
             self.cache.prefill(prompts, mask, num_logits=1)
         else:
@@ -120,12 +123,23 @@ class DraftModelDrafter:
 
     def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
         """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) appended to its cache: float logits [B, V] after each."""
-        batch = stack_layouts([_fed(feed) for feed in feeds], self.pad_token_id)
+        batch = stack_layouts([_fed(self._readable(feed)) for feed in feeds], self.pad_token_id)
         even = batch.valid is None  # every row feeds as many tokens: only the last position's logits are needed
         logits = self.cache.forward(batch, num_logits=1 if even else None)  # [B, 1 or n, V]
         self.cache.keep([list(range(feed.shape[0])) for feed in feeds])
         last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
-        return logits[torch.arange(len(feeds)), last.to(logits.device), : self.vocab_size]
+        # over the target's vocabulary: the draft's padding rows past it are never proposed, and the target's rows
+        # the draft lacks get -inf (never proposed, probability 0, which rejection sampling handles exactly)
+        logits = logits[torch.arange(len(feeds)), last.to(logits.device), : self.vocab_size]
+        if logits.shape[-1] < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        return logits
+
+    def _readable(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with those the draft has no embedding for replaced by padding."""
+        if self.readable >= self.vocab_size:
+            return ids
+        return ids.masked_fill(ids >= self.readable, self.pad_token_id if self.pad_token_id < self.readable else 0)
 
     def offer(self, views: Sequence[RowView]) -> list[Offer]:
         """Up to the room left per row; before the draft has read the prompts, what reading them costs: each
