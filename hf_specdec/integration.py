@@ -175,18 +175,29 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec needs input_ids, not inputs_embeds.")
+    returned = bool(generation_config.return_dict_in_generate)
+    for flag, what in (("output_attentions", "attention weights"), ("output_hidden_states", "hidden states")):
+        if returned and (getattr(generation_config, flag, False) or model_kwargs.get(flag)):
+            raise ValueError(
+                f"hf_specdec does not return per-step {what} ({flag}=True): its forwards read several tokens at "
+                f"once, so they would not be the ones plain generate() returns. Drop {flag}=True, or use plain "
+                "generate() for them."
+            )
+    _check_model_inputs(model_kwargs)
     if generation_config.use_cache is False:
         raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
     kv.check_cache_supported(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-    output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    output_scores = returned and bool(generation_config.output_scores)
+    output_logits = returned and bool(generation_config.output_logits)
     rows = input_ids.shape[0]
-    if rows > 1 and (streamer is not None or output_scores):
+    if rows > 1 and (streamer is not None or output_scores or output_logits):
         raise ValueError(
             f"With a batch of {rows} prompts, rows emit different numbers of tokens per round, so hf_specdec cannot "
-            "stream them or return per-step scores (streamer= / output_scores=True). Drop those, or generate one "
-            "prompt at a time."
+            "stream them or return per-step scores or logits (streamer= / output_scores=True / output_logits=True). "
+            "Drop those, or generate one prompt at a time."
         )
     mask = model_kwargs.get("attention_mask")
+    _check_positions(input_ids, mask, model_kwargs.get("position_ids"), generation_config)
     if mask is not None:
         mask = mask.to(input_ids.device)
         num_pad = (mask.cumsum(-1) == 0).sum(-1)  # leading zeros per row
@@ -210,7 +221,53 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         pad_token_id=pad_token,
         attention=getattr(model.config, "_attn_implementation", None) or "eager",
         output_scores=output_scores,
+        output_logits=output_logits,
     )
+
+
+# what the loop gives the model itself (the mask, the positions plain generate derives from it, its own cache), or
+# what changes no output; generate() adds position_ids, logits_to_keep, the cache and use_cache to every call. The
+# output_* flags only matter with return_dict_in_generate=True, where _prepare refuses them.
+_LOOP_INPUTS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                          "output_attentions", "output_hidden_states"})
+_DROP_HINTS = {"token_type_ids": " (e.g. tokenizer(..., return_token_type_ids=False))"}
+
+
+def _check_model_inputs(model_kwargs: dict) -> None:
+    """Refuse a model input the loop would not pass to the model (before any forward)."""
+    for name, value in model_kwargs.items():
+        if name in _LOOP_INPUTS or value is None:
+            continue
+        raise ValueError(
+            f"hf_specdec does not pass {name} to the model yet, so its output would differ from plain generate(); "
+            f"drop it{_DROP_HINTS.get(name, '')} if your model ignores it, or use plain generate()."
+        )
+
+
+def _check_positions(input_ids, mask, positions, generation_config) -> None:
+    """The mask must have input_ids' shape, and positions must be those plain generate derives from it (the ones
+    the loop gives the model). generate() drops an all-ones mask before the callable sees it, so a wrong-shaped one
+    shows in the positions it derived from it (or in the mask length it recorded, for a model without
+    position_ids)."""
+    shape = tuple(input_ids.shape)
+    mask_length = getattr(generation_config, "_mask_length", None)
+    for name, given in (("attention_mask", mask), ("attention_mask (or position_ids)", positions)):
+        if given is not None and tuple(given.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(given.shape)} but input_ids has shape {shape}; pass an "
+                             "attention_mask of input_ids' shape (1 for tokens, 0 for left padding), or none.")
+    if mask is None and mask_length is not None and mask_length != shape[1]:
+        raise ValueError(f"attention_mask has {mask_length} columns but input_ids has shape {shape}; pass an "
+                         "attention_mask of input_ids' shape (1 for tokens, 0 for left padding), or none.")
+    if positions is None:
+        return
+    if mask is not None:
+        expected = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    else:
+        expected = torch.arange(shape[1], device=input_ids.device).expand(shape)
+    if not torch.equal(positions.to(expected.device), expected):
+        raise ValueError("hf_specdec does not pass position_ids to the model yet (it gives every token the position "
+                         "plain generate() derives from attention_mask), so its output would differ from plain "
+                         "generate(); drop position_ids=, or use plain generate().")
 
 
 def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
@@ -219,7 +276,8 @@ def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
     model.last_spec_stats = stats
     if not generation_config.return_dict_in_generate:
         return decoded.sequences
-    return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None, spec_stats=stats)
+    return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None,
+                              logits=decoded.logits or None, spec_stats=stats)
 
 
 # -- enable(model) --------------------------------------------------------------------------------------------------
@@ -258,6 +316,7 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
         return original(*args, **kwargs)
     if mode not in ("speculative", "lookahead"):
         raise ValueError(f"decoding={decoding!r} is unknown: use 'speculative' (with assistant_model=) or 'lookahead'.")
+    _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config)
     if kwargs.get("assistant_tokenizer") is not None:
         # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
         logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
@@ -271,6 +330,19 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
         raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
     return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
                     spec_config=spec_config, speculative_memory=speculative_memory, spec_streamer=streamer, **kwargs)
+
+
+def _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config) -> None:
+    """Refuse the arguments of the other mode, which this call would silently ignore."""
+    if mode == "lookahead" and assistant_model is not None:
+        raise ValueError("decoding='lookahead' drafts from the model's own n-gram pool and would ignore "
+                         "assistant_model=; drop assistant_model=, or drop decoding='lookahead' to draft with it.")
+    if mode == "lookahead" and spec_config is not None:
+        raise ValueError("spec_config= configures speculative decoding and decoding='lookahead' would ignore it; "
+                         "pass lookahead_config= (a LookaheadConfig) instead, or drop it.")
+    if mode == "speculative" and lookahead_config is not None:
+        raise ValueError("lookahead_config= configures decoding='lookahead' and speculative decoding would ignore "
+                         "it; pass spec_config= (a SpecConfig) instead, or drop it.")
 
 
 def disable(model):
