@@ -31,7 +31,7 @@ from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, SpeculativeMemory
 from .policy import TreePolicy, make_policy
-from .stats import SpecStats
+from .stats import SpecStats, stats_holder
 from .support import check_supported
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def speculative_generate(
     ``speculative_memory``: a ``SpeculativeMemory`` whose estimates for this draft the call starts from and
     refines; None measures from scratch and keeps nothing.
     """
+    stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     if draft_model is None:
         raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
     config = _as_config(spec_config, SpecConfig, "spec_config")
@@ -108,6 +109,7 @@ def lookahead_generate(
     ``lookahead_memory``: a ``LookaheadMemory`` to read and extend (earlier calls' text, measured costs and
     acceptance); None starts from nothing and keeps nothing.
     """
+    stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     config = _as_config(lookahead_config, LookaheadConfig, "lookahead_config")
     if lookahead_memory is not None and not isinstance(lookahead_memory, LookaheadMemory):
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
@@ -273,7 +275,7 @@ def _check_positions(input_ids, mask, positions, generation_config) -> None:
 def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
     stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]))
     decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
-    model.last_spec_stats = stats
+    stats_holder(model).set(stats)
     if not generation_config.return_dict_in_generate:
         return decoded.sequences
     return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None,
@@ -287,16 +289,20 @@ def enable(model):
     Only this instance changes (its ``generate`` attribute); the class and every other model are untouched.
     It also gets ``model.lookahead_memory`` and ``model.speculative_memory``, which its calls share unless they
     pass ``lookahead_memory=`` / ``speculative_memory=`` (None: a call that neither reads nor writes it); see
-    ``LookaheadMemory`` and ``SpeculativeMemory``. ``disable(model)`` undoes all three. Returns the model.
+    ``LookaheadMemory`` and ``SpeculativeMemory``; and ``model.last_spec_stats``, the calling thread's latest
+    call's ``SpecStats`` (``stats.LastSpecStats``: per thread, reset when a call starts). ``disable(model)`` undoes
+    all four. Returns the model.
     """
     if getattr(model.generate, _ENABLED, False):
         return model
     original = model.generate
     model.lookahead_memory = LookaheadMemory()
     model.speculative_memory = SpeculativeMemory()
+    stats_holder(model)
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        stats_holder(model).set(None)  # this thread's stats are the latest call's: none for a plain call or one that raises
         kwargs.setdefault("lookahead_memory", model.lookahead_memory)
         kwargs.setdefault("speculative_memory", model.speculative_memory)
         return route_generate(original, *args, **kwargs)
@@ -351,6 +357,7 @@ def disable(model):
         del model.generate
         model.__dict__.pop("lookahead_memory", None)
         model.__dict__.pop("speculative_memory", None)
+        model.__dict__.pop("last_spec_stats", None)
     return model
 
 

@@ -696,6 +696,7 @@ def _sweep_one(model_type, config_class, model_class, modes, prompt, n, spec_con
             tokens = run_mode(mode, target, draft, prompt, n, spec_config, lookahead_config)
             row["status"] = classify(tokens, plain, no_cache)
             stats = getattr(target, "last_spec_stats", None)
+            stats = stats.get() if hasattr(stats, "get") else stats  # per thread since LastSpecStats
             if stats is not None:  # how much the mode was exercised: draft tokens judged and accepted
                 row["drafted"], row["accepted"] = int(stats.drafted), int(stats.accepted)
             if row["status"] == "mismatch":

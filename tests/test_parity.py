@@ -113,11 +113,11 @@ def test_enable_routes_assistant_model_and_leaves_plain_calls_alone(prompt):
     before = model.generate(prompt, max_new_tokens=NEW, do_sample=False)
     hf_specdec.enable(model)
     assert torch.equal(model.generate(prompt, max_new_tokens=NEW, do_sample=False), before)
-    assert not hasattr(model, "last_spec_stats")  # the plain call did not go through hf_specdec
+    assert model.last_spec_stats.get() is None  # the plain call did not go through hf_specdec
     out = model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, before)
-    assert out.spec_stats is model.last_spec_stats and out.spec_stats.new_tokens == NEW
+    assert out.spec_stats is model.last_spec_stats.get() and out.spec_stats.new_tokens == NEW
     other = tiny_model("llama", seed=0)
     assert "generate" not in vars(other)  # other instances untouched
     hf_specdec.disable(model)
