@@ -55,7 +55,7 @@ class DecodeInputs:
     stopping_criteria: StoppingCriteriaList
     do_sample: bool
     max_length: int  # a row may not grow past this (padded prompt included), as in generate
-    vocab_size: int  # shared vocabulary (target and draft may be padded differently)
+    vocab_size: int  # the target's (rows of its output layer): every row is verified, none cut to a draft's
     pad_token_id: int = 0  # fills a row after it stopped (and pads draft inputs)
     attention: str = "sdpa"  # the target's attention implementation (how a 4-D mask is given to it)
     output_scores: bool = False
