@@ -302,7 +302,7 @@ def enable(model):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        stats_holder(model).set(None)  # this thread's stats are the latest call's: none for a plain call or one that raises
+        stats_holder(model).set(None)  # this thread's latest call's stats: none for a plain call or one that raises
         kwargs.setdefault("lookahead_memory", model.lookahead_memory)
         kwargs.setdefault("speculative_memory", model.speculative_memory)
         return route_generate(original, *args, **kwargs)

@@ -76,12 +76,12 @@ def test_what_generate_adds_for_a_text_model_is_not_refused(llama, gpt2, prompt,
 def test_other_model_inputs_are_refused_by_name(llama, prompt, name):
     draft = perturbed_copy(llama, 0.02)
     config = GenerationConfig(num_beams=1, num_return_sequences=1, do_sample=False, max_length=40, use_cache=True)
-    for callable_ in (hf_specdec.speculative_generate, hf_specdec.lookahead_generate):
+    calls = {hf_specdec.speculative_generate: {"draft_model": draft}, hf_specdec.lookahead_generate: {}}
+    for callable_, extra in calls.items():
         with pytest.raises(ValueError, match=f"does not pass {name} to the model yet"):
             # through the callable (a multimodal model's generate would validate and forward these)
-            callable_(llama, prompt, logits_processor=None, stopping_criteria=None, generation_config=config, **({"draft_model": draft}
-                                                                    if callable_ is hf_specdec.speculative_generate
-                                                                    else {}), **{name: torch.zeros(1, 3)})
+            callable_(llama, prompt, logits_processor=None, stopping_criteria=None, generation_config=config,
+                      **extra, **{name: torch.zeros(1, 3)})
 
 
 def test_position_ids_other_than_plain_generates_are_refused(llama, prompt):

@@ -205,7 +205,8 @@ def summary_line(runs: list[PaneRun], sampling: bool) -> str:
             speed.append(f"{r.title} **{speedup(r, plain):.2f}×**")
             first = first_difference(r.output_ids, plain.output_ids)
             note = f" ({r.divergence})" if first is not None and r.divergence else ""
-            same.append(f"{r.title} ✓ identical" if first is None else f"{r.title} ✗ differs from token {first}{note}")
+            same.append(f"{r.title} ✓ identical" if first is None
+                        else f"{r.title} ✗ differs from token {first}{note}")
     if not speed:
         return ""
     line = f"**Speedup over plain on this prompt:** {' · '.join(speed)}"
