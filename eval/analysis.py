@@ -4,35 +4,19 @@ harness-measured costs c and v(n) (``hf_specdec.harness.measure_costs``)."""
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from hf_specdec.harness import device_of, measure_costs
+from hf_specdec.harness import measure_costs
+from hf_specdec.harness.margins import teacher_forced
 
 from .report import _first_rows, _load_json
 
 COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 COST_REPEATS = 7
-
-
-@torch.inference_mode()
-def teacher_forced(model, prompt_ids: list[int], gen_ids: list[int]) -> dict[str, list]:
-    """One forward over prompt + generated tokens: per generated position, the model's argmax and top1-top2 margin.
-
-    Position i holds the prediction for ``gen_ids[i]`` given ``prompt + gen_ids[:i]``.
-    """
-    if not gen_ids:
-        return {"argmax": [], "margin": []}
-    seq = torch.tensor([prompt_ids + gen_ids[:-1]], device=device_of(model))  # [1, L + n - 1]
-    n = len(gen_ids)
-    keep = {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    logits = model(input_ids=seq, **keep).logits[0, -n:].float()  # [n, vocab]
-    top2 = logits.topk(2, dim=-1).values
-    return {"argmax": logits.argmax(-1).tolist(), "margin": (top2[:, 0] - top2[:, 1]).tolist()}
 
 
 def analyze(out: Path, rows, prompt_ids: dict[str, list[int]], target, draft, threshold: float, dtype: str,

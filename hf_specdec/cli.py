@@ -12,6 +12,7 @@ def _generate(args: argparse.Namespace) -> int:
     from hf_specdec.harness import MODES, Harness, IncrementalText, RoundStreamer, Settings, choice_line
     from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, Workload, load_model, load_pair
     from hf_specdec.models import read_profile_file
+    from hf_specdec.stats import last_spec_stats
 
     mode = MODES[f"specdec_{args.policy}" if args.mode == "speculative" else args.mode]
     workload = Workload(new_tokens=args.max_new_tokens)
@@ -49,8 +50,8 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"[{mode.title}] {row['new_tokens']} tokens in {row['e2e_s']:.2f} s ({row['tokens_per_s'] or 0:.2f} "
           f"tokens/s), TTFT {ttft}, mean accepted length {row['mean_accepted_length'] or 0:.2f}, prompt "
           f"{row['prompt_tokens']} tokens", file=sys.stderr)
-    if mode.hf_specdec and model.last_spec_stats is not None:
-        stats = model.last_spec_stats
+    stats = last_spec_stats(model) if mode.hf_specdec else None
+    if stats is not None:
         print(stats.summary(), file=sys.stderr)
         if args.verbose:  # where the time went and why rounds were plain, one line each
             for line in stats.explain():

@@ -32,7 +32,7 @@ from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, SpeculativeMemory
 from .policy import TreePolicy, make_policy
-from .stats import SpecStats
+from .stats import SpecStats, stats_holder
 from .support import check_supported
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ def speculative_generate(
     ``speculative_memory``: a ``SpeculativeMemory`` whose estimates for this draft the call starts from and
     refines; None measures from scratch and keeps nothing.
     """
+    stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     if draft_model is None:
         raise ValueError("speculative_generate needs a draft model: pass draft_model=<a small causal LM>.")
     config = _as_config(spec_config, SpecConfig, "spec_config")
@@ -81,10 +82,9 @@ def speculative_generate(
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
     else:
-        _check_same_family(model, draft_model)
+        _check_same_family(model, draft_model)  # verified over the target's whole vocabulary, never cut to the draft's
         if estimates.draft_read.prior is None:
             estimates.draft_read.prior = compute_share(draft_model, model)
-        inputs.vocab_size = min(inputs.vocab_size, vocab_size(draft_model))
         drafter = ChainDrafter(
             DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
                               draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
@@ -112,6 +112,7 @@ def lookahead_generate(
     ``lookahead_memory``: a ``LookaheadMemory`` to read and extend (earlier calls' text, measured costs and
     acceptance); None starts from nothing and keeps nothing.
     """
+    stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     config = _as_config(lookahead_config, LookaheadConfig, "lookahead_config")
     if lookahead_memory is not None and not isinstance(lookahead_memory, LookaheadMemory):
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
@@ -191,18 +192,29 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec needs input_ids, not inputs_embeds.")
+    returned = bool(generation_config.return_dict_in_generate)
+    for flag, what in (("output_attentions", "attention weights"), ("output_hidden_states", "hidden states")):
+        if returned and (getattr(generation_config, flag, False) or model_kwargs.get(flag)):
+            raise ValueError(
+                f"hf_specdec does not return per-step {what} ({flag}=True): its forwards read several tokens at "
+                f"once, so they would not be the ones plain generate() returns. Drop {flag}=True, or use plain "
+                "generate() for them."
+            )
+    _check_model_inputs(model_kwargs)
     if generation_config.use_cache is False:
         raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
     kv.check_cache_supported(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-    output_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    output_scores = returned and bool(generation_config.output_scores)
+    output_logits = returned and bool(generation_config.output_logits)
     rows = input_ids.shape[0]
-    if rows > 1 and (streamer is not None or output_scores):
+    if rows > 1 and (streamer is not None or output_scores or output_logits):
         raise ValueError(
             f"With a batch of {rows} prompts, rows emit different numbers of tokens per round, so hf_specdec cannot "
-            "stream them or return per-step scores (streamer= / output_scores=True). Drop those, or generate one "
-            "prompt at a time."
+            "stream them or return per-step scores or logits (streamer= / output_scores=True / output_logits=True). "
+            "Drop those, or generate one prompt at a time."
         )
     mask = model_kwargs.get("attention_mask")
+    _check_positions(input_ids, mask, model_kwargs.get("position_ids"), generation_config)
     if mask is not None:
         mask = mask.to(input_ids.device)
         num_pad = (mask.cumsum(-1) == 0).sum(-1)  # leading zeros per row
@@ -226,16 +238,63 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         pad_token_id=pad_token,
         attention=getattr(model.config, "_attn_implementation", None) or "eager",
         output_scores=output_scores,
+        output_logits=output_logits,
     )
+
+
+# what the loop gives the model itself (the mask, the positions plain generate derives from it, its own cache), or
+# what changes no output; generate() adds position_ids, logits_to_keep, the cache and use_cache to every call. The
+# output_* flags only matter with return_dict_in_generate=True, where _prepare refuses them.
+_LOOP_INPUTS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                          "output_attentions", "output_hidden_states"})
+_DROP_HINTS = {"token_type_ids": " (e.g. tokenizer(..., return_token_type_ids=False))"}
+
+
+def _check_model_inputs(model_kwargs: dict) -> None:
+    """Refuse a model input the loop would not pass to the model (before any forward)."""
+    for name, value in model_kwargs.items():
+        if name in _LOOP_INPUTS or value is None:
+            continue
+        raise ValueError(
+            f"hf_specdec does not pass {name} to the model yet, so its output would differ from plain generate(); "
+            f"drop it{_DROP_HINTS.get(name, '')} if your model ignores it, or use plain generate()."
+        )
+
+
+def _check_positions(input_ids, mask, positions, generation_config) -> None:
+    """The mask must have input_ids' shape, and positions must be those plain generate derives from it (the ones
+    the loop gives the model). generate() drops an all-ones mask before the callable sees it, so a wrong-shaped one
+    shows in the positions it derived from it (or in the mask length it recorded, for a model without
+    position_ids)."""
+    shape = tuple(input_ids.shape)
+    mask_length = getattr(generation_config, "_mask_length", None)
+    for name, given in (("attention_mask", mask), ("attention_mask (or position_ids)", positions)):
+        if given is not None and tuple(given.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(given.shape)} but input_ids has shape {shape}; pass an "
+                             "attention_mask of input_ids' shape (1 for tokens, 0 for left padding), or none.")
+    if mask is None and mask_length is not None and mask_length != shape[1]:
+        raise ValueError(f"attention_mask has {mask_length} columns but input_ids has shape {shape}; pass an "
+                         "attention_mask of input_ids' shape (1 for tokens, 0 for left padding), or none.")
+    if positions is None:
+        return
+    if mask is not None:
+        expected = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    else:
+        expected = torch.arange(shape[1], device=input_ids.device).expand(shape)
+    if not torch.equal(positions.to(expected.device), expected):
+        raise ValueError("hf_specdec does not pass position_ids to the model yet (it gives every token the position "
+                         "plain generate() derives from attention_mask), so its output would differ from plain "
+                         "generate(); drop position_ids=, or use plain generate().")
 
 
 def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
     stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]))
     decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
-    model.last_spec_stats = stats
+    stats_holder(model).set(stats)
     if not generation_config.return_dict_in_generate:
         return decoded.sequences
-    return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None, spec_stats=stats)
+    return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None,
+                              logits=decoded.logits or None, spec_stats=stats)
 
 
 # -- enable(model) --------------------------------------------------------------------------------------------------
@@ -245,16 +304,20 @@ def enable(model):
     Only this instance changes (its ``generate`` attribute); the class and every other model are untouched.
     It also gets ``model.lookahead_memory`` and ``model.speculative_memory``, which its calls share unless they
     pass ``lookahead_memory=`` / ``speculative_memory=`` (None: a call that neither reads nor writes it); see
-    ``LookaheadMemory`` and ``SpeculativeMemory``. ``disable(model)`` undoes all three. Returns the model.
+    ``LookaheadMemory`` and ``SpeculativeMemory``; and ``model.last_spec_stats``, the calling thread's latest
+    call's ``SpecStats`` (``stats.LastSpecStats``: per thread, reset when a call starts). ``disable(model)`` undoes
+    all four. Returns the model.
     """
     if getattr(model.generate, _ENABLED, False):
         return model
     original = model.generate
     model.lookahead_memory = LookaheadMemory()
     model.speculative_memory = SpeculativeMemory()
+    stats_holder(model)
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        stats_holder(model).set(None)  # this thread's latest call's stats: none for a plain call or one that raises
         kwargs.setdefault("lookahead_memory", model.lookahead_memory)
         kwargs.setdefault("speculative_memory", model.speculative_memory)
         return route_generate(original, *args, **kwargs)
@@ -274,6 +337,7 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
         return original(*args, **kwargs)
     if mode not in ("speculative", "lookahead"):
         raise ValueError(f"decoding={decoding!r} is unknown: use 'speculative' (with assistant_model=) or 'lookahead'.")
+    _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config)
     if kwargs.get("assistant_tokenizer") is not None:
         # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
         logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
@@ -289,12 +353,26 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
                     spec_config=spec_config, speculative_memory=speculative_memory, spec_streamer=streamer, **kwargs)
 
 
+def _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config) -> None:
+    """Refuse the arguments of the other mode, which this call would silently ignore."""
+    if mode == "lookahead" and assistant_model is not None:
+        raise ValueError("decoding='lookahead' drafts from the model's own n-gram pool and would ignore "
+                         "assistant_model=; drop assistant_model=, or drop decoding='lookahead' to draft with it.")
+    if mode == "lookahead" and spec_config is not None:
+        raise ValueError("spec_config= configures speculative decoding and decoding='lookahead' would ignore it; "
+                         "pass lookahead_config= (a LookaheadConfig) instead, or drop it.")
+    if mode == "speculative" and lookahead_config is not None:
+        raise ValueError("lookahead_config= configures decoding='lookahead' and speculative decoding would ignore "
+                         "it; pass spec_config= (a SpecConfig) instead, or drop it.")
+
+
 def disable(model):
     """Undo ``enable(model)``."""
     if getattr(model.generate, _ENABLED, False):
         del model.generate
         model.__dict__.pop("lookahead_memory", None)
         model.__dict__.pop("speculative_memory", None)
+        model.__dict__.pop("last_spec_stats", None)
     return model
 
 

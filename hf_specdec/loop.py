@@ -59,10 +59,11 @@ class DecodeInputs:
     stopping_criteria: StoppingCriteriaList
     do_sample: bool
     max_length: int  # a row may not grow past this (padded prompt included), as in generate
-    vocab_size: int  # shared vocabulary (target and draft may be padded differently)
+    vocab_size: int  # the target's (rows of its output layer): every row is verified, none cut to a draft's
     pad_token_id: int = 0  # fills a row after it stopped (and pads draft inputs)
     attention: str = "sdpa"  # the target's attention implementation (how a 4-D mask is given to it)
     output_scores: bool = False
+    output_logits: bool = False
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Decoded:
     sequences: torch.LongTensor  # [B, P + new], rows that stopped early padded with pad_token_id
     stats: SpecStats
     scores: tuple[torch.Tensor, ...]  # processed scores [1, V] of each emitted token (one row), if asked
+    logits: tuple[torch.Tensor, ...] = ()  # raw logits [1, V] (float32, as generate) of each emitted token, if asked
 
 
 @dataclass
@@ -138,7 +140,9 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     stats.total_time_s = time.perf_counter() - start
     stats.cache_bytes, stats.draft_cache_bytes = cache.nbytes(), drafter.cache_bytes()
     drafter.release()
-    return Decoded(_sequences(rows, inputs.pad_token_id), stats, tuple(scores_out))
+    return Decoded(_sequences(rows, inputs.pad_token_id), stats,
+                   tuple(s for s, _ in scores_out) if inputs.output_scores else (),
+                   tuple(raw for _, raw in scores_out) if inputs.output_logits else ())
 
 
 def _rows(inputs: DecodeInputs) -> list[_Row]:
@@ -159,9 +163,10 @@ def _prefill(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], emitter:
             ) from error
         raise
     for row in rows:
+        raw = logits[row.row: row.row + 1].clone() if inputs.output_logits else None  # before any processor
         scores = _process(inputs, row.padded(), Proposal(), logits[row.row: row.row + 1])  # [1, V]
         first = verify((), (), None, scores, inputs.do_sample).next_token
-        _emit(inputs, emitter, scores_out, row, None, scores, tokens=[first])
+        _emit(inputs, emitter, scores_out, row, None, _returned(inputs, scores, raw, [0]), tokens=[first])
 
 
 def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], views: list[RowView],
@@ -196,13 +201,15 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
         num_rows = 1 + proposal.num_tokens
         if raw:
             verdict = verify_tree_greedy(proposal.tokens, proposal.parents, choices[i, index[:num_rows]])
-            row_scores = logits[i, index[:num_rows].to(logits.device)] if inputs.output_scores else None
+            returned = inputs.output_scores or inputs.output_logits
+            row_scores = row_raw = logits[i, index[:num_rows].to(logits.device)] if returned else None
         else:
             row_logits = logits[i, index[:num_rows].to(logits.device)]  # [1 + T, V]
+            row_raw = row_logits.clone() if inputs.output_logits else None  # before any processor
             row_scores = _process(inputs, row.padded(), proposal, row_logits)  # [1 + T, V]
             verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
         verdicts.append(verdict)
-        scores.append(row_scores[[0] + [1 + node for node in verdict.accepted]] if inputs.output_scores else None)
+        scores.append(_returned(inputs, row_scores, row_raw, [0] + [1 + node for node in verdict.accepted]))
         kept.append(written.slots[i, layout.kept_inputs(verdict.accepted)].tolist())
     cache.keep(kept)
     seconds = time.perf_counter() - start
@@ -236,6 +243,14 @@ def _process(inputs: DecodeInputs, ids: torch.LongTensor, proposal: Proposal, lo
     return torch.cat(rows, dim=0)
 
 
+def _returned(inputs: DecodeInputs, scores, logits, kept: list[int]):
+    """What the call returns for the tokens at rows ``kept`` of a round: (processed scores [n, V], raw logits
+    [n, V] in float32 as generate returns them), each None unless asked; None when neither is."""
+    if not (inputs.output_scores or inputs.output_logits):
+        return None
+    return (scores[kept] if inputs.output_scores else None, logits[kept].float() if inputs.output_logits else None)
+
+
 def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, scores, tokens=None):
     """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
     if tokens is None:
@@ -243,8 +258,9 @@ def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, 
     ids = row.padded()
     new_tokens, stop = cut_at_stop(ids, torch.tensor(tokens, dtype=torch.long), inputs.stopping_criteria)
     emitter.round(new_tokens, outcome.num_accepted if outcome is not None else 0)
-    if inputs.output_scores:
-        scores_out.extend(scores[i: i + 1] for i in range(new_tokens.shape[0]))
+    if scores is not None:  # (processed scores, raw logits) of the tokens offered, each None unless asked
+        scores_out.extend(tuple(None if part is None else part[i: i + 1] for part in scores)
+                          for i in range(new_tokens.shape[0]))
     row.new.extend(new_tokens.tolist())
     row.done = stop or row.prompt.shape[0] + len(row.new) >= inputs.max_length
     if outcome is None:

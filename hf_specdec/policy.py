@@ -61,7 +61,6 @@ never reaches the policy, and the policy learns the round's confidences from the
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 

@@ -20,6 +20,7 @@ Definitions, used the same way by the loop, the eval harness and the demo:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -179,3 +180,61 @@ class SpecStats:
             f"c={'n/a' if c is None else f'{c:.2f}'}, rounds with speculation off {self.rounds_spec_off}"
         )
         return f"{text} ({self.why_plain()})" if self.plain_reasons else text
+
+
+class LastSpecStats:
+    """``model.last_spec_stats``: the ``SpecStats`` of the calling thread's latest hf_specdec call on the model.
+
+    Threads share a model (its weights, ``generate``) but each reads its own latest call's stats: attribute reads
+    go to them (``model.last_spec_stats.summary()``, ``.drafted``), ``get()`` returns them (None before a call on
+    this thread finished, or after one that raised), and it is false when there are none. Each call resets the
+    calling thread's entry when it starts. ``out.spec_stats`` (``return_dict_in_generate=True``) is the call's
+    own, whatever the thread.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self) -> SpecStats | None:
+        return getattr(self._local, "stats", None)
+
+    def set(self, stats: SpecStats | None) -> None:
+        self._local.stats = stats
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_local":  # copy/pickle probes, and before __init__ ran
+            raise AttributeError(name)
+        stats = self.get()
+        if stats is None:
+            raise AttributeError(f"last_spec_stats.{name}: no hf_specdec call on this model has finished on this "
+                                 "thread (or its latest one raised); check `if model.last_spec_stats:` or use "
+                                 "model.last_spec_stats.get() first.")
+        return getattr(stats, name)
+
+    def __bool__(self) -> bool:
+        return self.get() is not None
+
+    def __reduce__(self):  # a copied or pickled model starts with no stats: they belong to calls on the original
+        return (LastSpecStats, ())
+
+    def __deepcopy__(self, memo) -> LastSpecStats:
+        return LastSpecStats()
+
+    def __repr__(self) -> str:
+        return f"LastSpecStats({self.get()!r})"
+
+
+def last_spec_stats(model) -> SpecStats | None:
+    """The calling thread's latest hf_specdec stats on ``model`` (None if none, or if that call raised)."""
+    holder = getattr(model, "last_spec_stats", None)
+    return holder.get() if isinstance(holder, LastSpecStats) else holder
+
+
+def stats_holder(model) -> LastSpecStats:
+    """``model.last_spec_stats``, made on first use (``enable`` makes it; a callable used without ``enable`` makes
+    it on its first call)."""
+    holder = model.__dict__.get("last_spec_stats")
+    if not isinstance(holder, LastSpecStats):
+        holder = LastSpecStats()
+        model.__dict__["last_spec_stats"] = holder
+    return holder

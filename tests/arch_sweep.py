@@ -564,21 +564,40 @@ class _TimeLimit(Exception):
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: int):
+def _time_limit(seconds: float):
+    """Raise ``_TimeLimit`` in the block after ``seconds``. A timer already running (pytest-timeout's, say) keeps
+    its deadline: if it comes first, its handler runs then; after the block it is re-armed with the time it has
+    left (``signal.alarm(0)`` here used to cancel it)."""
     if seconds <= 0 or not hasattr(signal, "SIGALRM"):
         yield
         return
+    start = time.monotonic()
+    previous_handler = signal.getsignal(signal.SIGALRM)
+    previous_delay, previous_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_first = 0 < previous_delay <= seconds
+    outer_fired = []
 
     def handler(signum, frame):
+        if outer_first:  # the outer deadline: hand the signal to the handler that was there
+            outer_fired.append(True)
+            signal.signal(signal.SIGALRM, previous_handler)
+            if callable(previous_handler):
+                previous_handler(signum, frame)
+            else:
+                signal.raise_signal(signal.SIGALRM)
+            return
         raise _TimeLimit(f"over the {seconds}s limit for one architecture")
 
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.alarm(seconds)
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, previous_delay if outer_first else seconds)
     try:
         yield
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_delay > 0 and not outer_fired:
+            left = previous_delay - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), previous_interval)
 
 
 def _short(error: BaseException, limit: int = 300) -> str:
@@ -677,6 +696,7 @@ def _sweep_one(model_type, config_class, model_class, modes, prompt, n, spec_con
             tokens = run_mode(mode, target, draft, prompt, n, spec_config, lookahead_config)
             row["status"] = classify(tokens, plain, no_cache)
             stats = getattr(target, "last_spec_stats", None)
+            stats = stats.get() if hasattr(stats, "get") else stats  # per thread since LastSpecStats
             if stats is not None:  # how much the mode was exercised: draft tokens judged and accepted
                 row["drafted"], row["accepted"] = int(stats.drafted), int(stats.accepted)
             if row["status"] == "mismatch":

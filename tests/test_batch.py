@@ -56,8 +56,11 @@ def test_batched_speculative_equals_plain_batched_generate(model, rows, draft):
     drafter = {"same": model, "random": tiny_model("llama", seed=1), "close": perturbed_copy(model, 0.02)}[draft]
     expected = plain(model, ids, mask)
     for policy in ("adaptive", "fixed"):  # the stats below are the fixed policy's: it always drafts
-        out = speculative(model, drafter, ids, mask, policy=policy)
+        memory = hf_specdec.SpeculativeMemory()  # injected costs: drafting pays, so adaptive drafts too
+        memory.seed(drafter, forward_seconds={n: 1.0 for n in range(1, 17)}, draft_step_seconds=0.01)
+        out = speculative(model, drafter, ids, mask, policy=policy, speculative_memory=memory)
         assert torch.equal(out, expected), (policy, out, expected)
+        assert model.last_spec_stats.drafted > 0, policy
     stats = model.last_spec_stats
     assert stats.rows == rows and stats.new_tokens == rows * NEW
     if draft == "same":
@@ -71,8 +74,10 @@ def test_batched_lookahead_equals_plain_batched_generate(model, rows):
     ids, mask = left_padded(PROMPTS[:rows])
     expected = plain(model, ids, mask)
     memory = hf_specdec.LookaheadMemory()
+    memory.seed({n: 1.0 for n in range(1, 129)})  # injected flat costs: guessing pays on any machine
     for _ in range(2):  # the second call starts from the first one's text: tries from the first round on
         assert torch.equal(lookahead(model, ids, mask, lookahead_memory=memory), expected)
+        assert model.last_spec_stats.drafted > 0
     # an explicit shape verifies candidates every round, whatever this CPU's costs (auto sizing decides by them)
     explicit = hf_specdec.LookaheadConfig(window=3, ngram=3, max_candidates=2)
     assert torch.equal(lookahead(model, ids, mask, lookahead_memory=memory, lookahead_config=explicit), expected)

@@ -270,3 +270,52 @@ def test_real_bundle_pair_plain_vs_hf_specdec(smollm2_bundle, user_cache_dir, mo
     assert 'data-status="done"' in html["plain"] and 'data-status="done"' in html["hf_specdec"], html["hf_specdec"]
     assert "def" in pane_text(html["plain"]) or "fib" in pane_text(html["plain"]).lower()
     assert "hf_specdec (adaptive) ✓ identical" in summary
+
+
+# -- why a greedy pane left plain's output ----------------------------------------------------------------------
+def _tied_at(dtype):
+    """A tiny model in ``dtype`` and its greedy output, with row 90 of its head made equal to the row of the token
+    it emits at position 3: an exact tie there."""
+    from hf_specdec.models.tiny import tiny_model
+
+    model = tiny_model("llama", seed=0, tie_word_embeddings=False)
+    prompt = [5, 17, 42, 8, 23, 61, 2, 9]
+    out = type(model).generate(model, torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 8:].tolist()
+    with torch.no_grad():
+        model.lm_head.weight[90] = model.lm_head.weight[out[3]]
+    return model.to(dtype), prompt, out
+
+
+def test_a_bf16_divergence_at_a_tie_says_so():
+    from hf_specdec.harness.margins import divergence_note
+
+    model, prompt, out = _tied_at(torch.bfloat16)
+    note = divergence_note(model, prompt, out, 3)
+    assert note == ("target's top-two logit margin there 0 in bfloat16: a tie in bf16 (margin ≤ one bf16 rounding "
+                    "step), not an error; fp32 is token-identical")
+
+
+def test_a_divergence_away_from_a_tie_gives_the_margin_only():
+    from hf_specdec.harness.margins import divergence_note, teacher_forced
+
+    from hf_specdec.models.tiny import tiny_model
+
+    model, prompt = tiny_model("llama", seed=0), [5, 17, 42, 8, 23, 61, 2, 9]
+    out = type(model).generate(model, torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, 8:].tolist()
+    margin = teacher_forced(model, prompt, out[:2])["margin"][-1]
+    assert margin > 1e-3
+    assert divergence_note(model, prompt, out, 1) == f"target's top-two logit margin there {margin:.4g} in float32"
+
+
+def test_the_summary_shows_the_margin_at_the_first_differing_token():
+    model, prompt, out = _tied_at(torch.bfloat16)
+    row = {"output_ids": out, "new_tokens": len(out), "e2e_s": 1.0, "tokens_per_s": 6.0, "ttft_s": 0.1,
+           "spec": None, "target_forwards": len(out), "mean_accepted_length": 1.0}
+    plain = panes.PaneRun("plain", "Plain", drafts=False, status="done", row=row)
+    other = panes.PaneRun("hf_specdec", "hf_specdec", drafts=True, status="done",
+                          row=dict(row, output_ids=out[:3] + [90] + out[4:]))
+    settings = app.DemoSettings.from_ui(6, 0.0, "adaptive", "auto")
+    assert app.explain_divergences(model, prompt, [plain, other], settings)
+    assert ("hf_specdec ✗ differs from token 3 (target's top-two logit margin there 0 in bfloat16: a tie in bf16 "
+            "(margin ≤ one bf16 rounding step), not an error; fp32 is token-identical)") in panes.summary_line(
+        [plain, other], sampling=False)

@@ -42,12 +42,15 @@ def lookahead(model, prompt, config, **kwargs):
 @pytest.mark.parametrize("prompt", [REPETITIVE, RANDOM], ids=["repetitive", "random"])
 @pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_greedy_lookahead_equals_plain_greedy(arch, attention, prompt, config):
+    """Costs injected (flat forwards: guessing pays), so every case guesses on any machine."""
     model = tiny_model(arch, attn_implementation=attention)
-    out = lookahead(model, prompt, config)
+    memory = LookaheadMemory()
+    memory.seed({n: 1.0 for n in range(1, 65)})
+    out = lookahead(model, prompt, config, lookahead_memory=memory)
     assert torch.equal(out, plain(model, prompt))
     stats = model.last_spec_stats
     assert stats.mode == "lookahead" and stats.new_tokens == NEW
-    assert stats.rounds <= NEW
+    assert stats.drafted > 0 and stats.rounds < NEW, stats.round_log
 
 
 def test_repetitive_text_needs_fewer_forwards():

@@ -40,6 +40,7 @@ from hf_specdec.costmodel import Estimates
 from hf_specdec.drafters.base import PerRow
 from hf_specdec.policy import AdaptivePolicy
 from hf_specdec.round import Offer, Proposal, Source, SourceKind
+from hf_specdec.stats import last_spec_stats
 from hf_specdec.verify import Verdict
 from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy
@@ -191,7 +192,7 @@ def draw(model, draws, seed, **kwargs):
     for _ in range(draws):
         out = model.generate(PROMPT, do_sample=True, max_new_tokens=NEW, **kwargs)
         counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
-        stats.append(getattr(model, "last_spec_stats", None))
+        stats.append(last_spec_stats(model))
     return counts, stats
 
 

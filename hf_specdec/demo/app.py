@@ -26,7 +26,8 @@ import torch
 from ..harness import MODES, RoundStreamer, Settings
 from ..models import DEFAULT_DRAFT, DEFAULT_TARGET
 from .loading import Loaded, ModelCache, ModelChoice, ModelLoadError
-from .panes import PaneRun, render_pane, rounds_figure, session_line, speedup, summary_line
+from ..harness.margins import divergence_note
+from .panes import PaneRun, first_difference, render_pane, rounds_figure, session_line, speedup, summary_line
 
 PANES = MappingProxyType({"plain": "Plain (transformers)", "assisted": "Transformers assisted",
                           "hf_specdec": "hf_specdec", "lookahead": "Lookahead (hf_specdec)"})  # key -> label, run order
@@ -165,6 +166,24 @@ def compare_modes(loaded: Loaded, prompt: str, keys: list[str], settings: DemoSe
     for run in runs:
         for _ in run_mode(run.key, loaded, encoded.input_ids, settings, run=run):
             yield runs, encoded.notes
+    if explain_divergences(loaded.harness.target, encoded.input_ids[0].tolist(), runs, settings):
+        yield runs, encoded.notes
+
+
+def explain_divergences(target, prompt_ids: list[int], runs: list[PaneRun], settings: DemoSettings) -> bool:
+    """Greedy panes that left plain's output get the target's margin at the first differing token (one
+    teacher-forced target forward each); returns whether any did."""
+    plain = next((r for r in runs if r.key == "plain" and r.status == "done"), None)
+    if plain is None or settings.temperature > 0:
+        return False
+    explained = False
+    for run in runs:
+        first = first_difference(run.output_ids, plain.output_ids) if run is not plain and run.status == "done" \
+            else None
+        if first is not None:
+            run.divergence = divergence_note(target, prompt_ids, plain.output_ids, first)
+            explained = True
+    return explained
 
 
 def run_comparison(cache: ModelCache, prompt: str, modes: list[str], max_new_tokens, temperature, policy,

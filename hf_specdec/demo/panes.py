@@ -37,6 +37,7 @@ class PaneRun:
     t_first: float | None = None
     drafted_live: int | None = None  # draft forwards so far (draft-model modes), for a live acceptance estimate
     text: IncrementalText | None = None
+    divergence: str = ""  # greedy, where it left plain's output: the target's margin there (harness.margins)
 
     def start(self, t: float, decode: Callable[[list[int]], str]) -> None:
         self.status, self.t_start, self.text = "running", t, IncrementalText(decode)
@@ -203,7 +204,9 @@ def summary_line(runs: list[PaneRun], sampling: bool) -> str:
         elif r.status == "done":
             speed.append(f"{r.title} **{speedup(r, plain):.2f}×**")
             first = first_difference(r.output_ids, plain.output_ids)
-            same.append(f"{r.title} ✓ identical" if first is None else f"{r.title} ✗ differs from token {first}")
+            note = f" ({r.divergence})" if first is not None and r.divergence else ""
+            same.append(f"{r.title} ✓ identical" if first is None
+                        else f"{r.title} ✗ differs from token {first}{note}")
     if not speed:
         return ""
     line = f"**Speedup over plain on this prompt:** {' · '.join(speed)}"

@@ -85,7 +85,7 @@ class DraftModelDrafter:
         logits_processor: LogitsProcessorList,
         *,
         do_sample: bool,
-        vocab_size: int,  # the vocabulary shared with the target (smaller of the two when one is padded)
+        vocab_size: int,  # the target's: drafts are over it, probability 0 in rows the draft lacks
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
         pad_token_id: int = 0,
@@ -94,6 +94,8 @@ class DraftModelDrafter:
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.vocab_size = vocab_size
+        # ids the draft has an embedding for (others read as padding: only its guesses depend on them)
+        self.readable = int(getattr(draft_model.get_input_embeddings(), "num_embeddings", vocab_size))
         self.draft_vocab_size = draft_vocab_size
         self.special_token_ids = special_token_ids
         self.pad_token_id = pad_token_id
@@ -115,11 +117,12 @@ class DraftModelDrafter:
         if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
             keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
                               torch.tensor(self.special_token_ids, dtype=torch.long)])
-            head = SubVocabHead(self.model, torch.unique(keep[keep < self.vocab_size]).to(self.device),
+            scored = min(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])  # rows it has
+            head = SubVocabHead(self.model, torch.unique(keep[keep < scored]).to(self.device),
                                 self.vocab_size)
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
         self.cache = kv.KVStore(self.model, attention, head=head)
-        prompts, mask = _left_padded([view.ids[:-1] for view in views], self.pad_token_id)
+        prompts, mask = _left_padded([self._readable(view.ids[:-1]) for view in views], self.pad_token_id)
         self.cache.prefill(prompts, mask, logits_at=1)
         self._written = [[] for _ in views]
         return time.perf_counter() - start
@@ -127,7 +130,7 @@ class DraftModelDrafter:
     def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
         """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) written after what the row wrote this round (after its kept
         tokens in the round's first step): float logits [B, V] after each row's last token."""
-        batch = stack_layouts([_fed(feed) for feed in feeds], self.pad_token_id)
+        batch = stack_layouts([_fed(self._readable(feed)) for feed in feeds], self.pad_token_id)
         even = batch.valid is None  # every row feeds as many tokens: only the last position's logits are needed
         after = torch.tensor([row[-1] for row in self._written]) if all(self._written) else None
         assert after is not None or not any(self._written), "rows step together"
@@ -135,7 +138,18 @@ class DraftModelDrafter:
         for row, feed, slots in zip(self._written, feeds, written.slots.tolist()):
             row.extend(slots[: feed.shape[0]])
         last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
-        return written.logits[torch.arange(len(feeds)), last.to(written.logits.device), : self.vocab_size]
+        # over the target's vocabulary: the draft's padding rows past it are never proposed, and the target's rows
+        # the draft lacks get -inf (never proposed, probability 0, which rejection sampling handles exactly)
+        logits = written.logits[torch.arange(len(feeds)), last.to(written.logits.device), : self.vocab_size]
+        if logits.shape[-1] < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        return logits
+
+    def _readable(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with those the draft has no embedding for replaced by padding."""
+        if self.readable >= self.vocab_size:
+            return ids
+        return ids.masked_fill(ids >= self.readable, self.pad_token_id if self.pad_token_id < self.readable else 0)
 
     def offer(self, views: Sequence[RowView]) -> list[Offer]:
         """Up to the room left per row; before the draft has read the prompts, what reading them costs: each

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import LookaheadMemory, enable
+from ..stats import last_spec_stats
 from .encoding import EncodedPrompt, encode_prompt
 from .formats import seed_memory as _seed_memory
 from .modes import Settings, get_mode, plain_format
@@ -200,8 +201,6 @@ class Harness:
         for counter in (self._target_forwards, self._draft_forwards, *self._plain_forwards.values()):
             if counter is not None:
                 counter.count = 0
-        if spec.hf_specdec:
-            self.target.last_spec_stats = None  # a failed call never shows the previous call's stats
         gc.collect()  # no collection of earlier garbage inside the timed window
         try:
             self.sync()
@@ -240,7 +239,8 @@ class Harness:
             row.update(peak_mem_bytes=int(torch.cuda.max_memory_allocated(self.device)), mem_kind="cuda_max_allocated")
         else:
             row.update(peak_mem_bytes=_rss_peak(), mem_kind="rss_peak" if rss_ok else "rss_peak_process")
-        stats = getattr(self.target, "last_spec_stats", None) if spec.hf_specdec else None
+        # this thread's latest call's (each call resets them when it starts: a failed call shows none)
+        stats = last_spec_stats(self.target) if spec.hf_specdec else None
         if stats is not None:
             row["spec"] = stats.to_dict()
             rounds = row["spec"].get("rounds")
