@@ -52,11 +52,13 @@ class SpeculativeMemory:
 
     def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
              draft_step_seconds: float | Mapping[int, float] | None = None, *,
-             draft_read_seconds: Mapping[int, float] | None = None) -> None:
+             draft_read_share: float | None = None) -> None:
         """Start ``draft``'s estimates from measured costs (a hardware profile): t(n) of the target by inputs,
-        and the seconds of one draft step, of one row or by rows (``{rows: seconds}``: its shape also prices
-        batch sizes not measured yet, ``Estimates.draft_seconds``). They are priors: the first measurement at each
-        size replaces its seed (``ForwardCost.from_table(prior=True)``)."""
+        the seconds of one draft step, of one row or by rows (``{rows: seconds}``: its shape also prices batch
+        sizes not measured yet, ``Estimates.draft_seconds``), and the draft's prompt read as a share of the
+        target's prefill of the same prompt (``costmodel.ReadCost``). They are priors: the first measurement at
+        each size replaces its seed (``ForwardCost.from_table(prior=True)``), the first reads timed here replace
+        the share."""
         estimates = self.estimates(draft)
         if forward_seconds:
             estimates.forward = ForwardCost.from_table(forward_seconds, prior=True)
@@ -65,8 +67,8 @@ class SpeculativeMemory:
             draft_step_seconds = draft_step_seconds.get(1)
         if draft_step_seconds is not None:
             estimates.draft_step = ForwardCost.from_table({1: draft_step_seconds}, prior=True)
-        if draft_read_seconds:  # stub until the cost model prices it: the draft's prompt read {tokens: seconds}
-            estimates.draft_read = ForwardCost.from_table(draft_read_seconds, prior=True)
+        if draft_read_share is not None:
+            estimates.draft_read.prior = float(draft_read_share)
 
     def clear(self) -> None:
         self._by_draft = weakref.WeakKeyDictionary()

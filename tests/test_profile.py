@@ -496,6 +496,7 @@ def test_seed_memory_passes_the_draft_prompt_read():
     enable(target)
     record = seed_memory(target, draft, profile=given)
     assert record["draft_read_seconds"] == {16: 0.02, 64: 0.05} and "prompt read at 16/64 tokens" in record["why"]
-    assert target.speculative_memory.estimates(draft).draft_read.estimate(64) == pytest.approx(0.05)
+    share = (0.02 / given.prefill_seconds("fp32", 16) + 0.05 / given.prefill_seconds("fp32", 64)) / 2  # the median
+    assert target.speculative_memory.estimates(draft).draft_read.prior == pytest.approx(share)
     plain = tiny_model("qwen2", seed=2)
     assert "not enabled" in seed_memory(plain, draft, profile=given)["why"]  # seeding enables nothing itself

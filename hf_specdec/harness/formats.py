@@ -19,6 +19,7 @@ is ever measured here. It returns a record of what was seeded, or why not:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +76,16 @@ def _profile_costs(profile, target, draft) -> tuple[Table | None, Table | None, 
     if draft_format not in profile.draft_formats:
         return forward, None, None
     return forward, profile.draft_steps(draft_format), profile.draft_read(draft_format) or None
+
+
+def read_share(profile, target, reads: Table | None) -> float | None:
+    """The draft's prompt read over the target's prefill of as many tokens (the median over the lengths the
+    profile read), the prior of ``costmodel.ReadCost``; None without both."""
+    target_format = model_format(target)
+    if not reads or target_format not in profile.target_formats:
+        return None
+    return statistics.median(seconds / profile.prefill_seconds(target_format, tokens)
+                             for tokens, seconds in reads.items())
 
 
 def _not_seeded(record: dict[str, Any], given: bool) -> str:
@@ -138,7 +149,7 @@ def seed_memory(target, draft, *, profile=None, cache_dir=None) -> dict[str, Any
     if forward is None and steps is None:
         record["why"] = _not_seeded(record, given)
         return record
-    memory.seed(draft, forward, steps, draft_read_seconds=reads)
+    memory.seed(draft, forward, steps, draft_read_share=read_share(profile, target, reads))
     target.lookahead_memory.seed(forward)
     t1, step = (forward.get(1) if forward else None), (steps.get(1) if steps else None)
     record.update(seeded=True, source=source, forward_sizes=sorted(forward) if forward else [],
