@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from hf_specdec.costmodel import expected_tokens, prefix_gains
 from hf_specdec.models import compat
 from hf_specdec.models import HardwareProfile
 from hf_specdec.models.tiny import tiny_model_dir, word_tokenizer
@@ -78,9 +79,9 @@ def test_qwen_like_padding_sizes():
 
 
 def test_expected_tokens_and_prediction():
-    assert compat.expected_tokens(0.0, 4) == 1.0
-    assert compat.expected_tokens(1.0, 4) == 5.0
-    assert compat.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(prefix_gains([0.0] * 4)) == 1.0
+    assert expected_tokens(prefix_gains([1.0] * 4)) == 5.0
+    assert expected_tokens(prefix_gains([0.5] * 2)) == pytest.approx(1.75)
     cost = {"c": 0.05, "verify_cost": {"0": 1.0, "1": 1.1, "2": 1.2}}
     acc = {"alpha": 0.5, "expected_tokens_measured": {"0": 1.0, "1": 1.5, "2": 1.75}}
     rows = compat.predict(cost, acc, 2)

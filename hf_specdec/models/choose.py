@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..costmodel import best_count, expected_tokens, prefix_gains
+from ..costmodel import Bound, ForwardPrice, best_round, prefix_gains
 from .formats import FORMATS, as_format
 from .profile import FormatCost, HardwareProfile
 
@@ -99,19 +99,12 @@ def estimate_call(profile: HardwareProfile, dtype: str, workload: Workload = Wor
                   draft_step: float | None = None) -> DecodeEstimate:
     """Prefill plus decoding ``new_tokens - 1`` tokens (the prefill emits the first) at the best expected rate:
     plain steps, or rounds of k draft steps and one verify forward over k + 1 tokens, k <= max_draft_tokens,
-    each draft token accepted with ``workload.acceptance`` (``costmodel.best_count``, the policies' arithmetic).
+    each draft token accepted with ``workload.acceptance`` (``costmodel.best_round``: the policy's own answer).
     ``draft_step``: seconds of one draft step; None: no draft, plain steps."""
-    cost = profile.target_cost(dtype)
-    step = cost.estimate(1)
-
-    def round_seconds(k: int) -> float:
-        return step if k == 0 else k * draft_step + cost.estimate(k + 1, extrapolate=True)
-
-    k = 0
-    gains = prefix_gains([workload.acceptance] * workload.max_draft_tokens)
-    if draft_step is not None and workload.max_draft_tokens:
-        k = best_count(gains, round_seconds)
-    rate = expected_tokens(gains[:k]) / round_seconds(k)
+    price = ForwardPrice(profile.target_cost(dtype), t_draft=draft_step)
+    limit = workload.max_draft_tokens if draft_step is not None else 0
+    best = best_round(price, prefix_gains([workload.acceptance] * workload.max_draft_tokens), limit, Bound.WORST)
+    k, rate = best.k, best.rate
     return DecodeEstimate(profile.prefill_seconds(dtype, workload.prompt_tokens), (workload.new_tokens - 1) / rate, k)
 
 

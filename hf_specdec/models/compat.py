@@ -38,6 +38,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..costmodel import Bound, ForwardCost, ForwardPrice, best_round, expected_tokens, prefix_gains
+from ..round import SourceKind, prior_acceptance
 from .bundles import BUNDLES
 from .choose import Workload, choose_draft_format, choose_dtype
 from .formats import model_format
@@ -54,7 +56,6 @@ SCHEMA = "hf_specdec.check/3"
 VLLM_MIN_VERSION = "0.14"
 VLLM_NOTE = f"valid for vLLM >= {VLLM_MIN_VERSION} (draft_model method re-added by PR #24322); 0.10-0.13 reject it"
 RATIO_GUIDANCE = 1 / 50
-SPECULATIVE_MIN_SPEEDUP = 1.1
 
 BUILTIN_PROMPTS = [
     "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
@@ -215,44 +216,63 @@ def measure_acceptance(target, draft, tokenizer, prompts: Sequence[str], *, shar
     }
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(k) = (1 - alpha^(k+1)) / (1 - alpha): tokens per round with k drafts, i.i.d. acceptance alpha."""
-    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+def _price(cost: dict) -> ForwardPrice:
+    """The measured costs in target steps as the cost model's price: v(n) by inputs, the draft step c."""
+    return ForwardPrice(ForwardCost.from_table({int(k) + 1: v for k, v in cost["verify_cost"].items()}),
+                        t_draft=cost["c"])
+
+
+def _measured_gains(acceptance: dict, max_k: int) -> list[float]:
+    """What draft token k adds to a round, from the measured mean tokens per round with k and k - 1 drafts
+    (i.i.d. ``alpha`` where a k was not measured)."""
+    iid = prefix_gains([acceptance["alpha"]] * max_k)
+    measured = [float(acceptance["expected_tokens_measured"].get(str(k), 1.0 + sum(iid[:k])))
+                for k in range(max_k + 1)]
+    return [max(0.0, measured[k] - measured[k - 1]) for k in range(1, max_k + 1)]
 
 
 def predict(cost: dict, acceptance: dict, max_k: int = 8) -> list[dict]:
-    """Predicted speedup per k: E(k) / (k*c + v(k))."""
+    """Predicted speedup per k: expected tokens over a round's cost in target steps, k c + v(k + 1) (the cost
+    model's ``ForwardPrice.round``), with i.i.d. acceptance ``alpha`` and with the measured run lengths."""
+    price = _price(cost)
+    iid, measured = prefix_gains([acceptance["alpha"]] * max_k), _measured_gains(acceptance, max_k)
     rows = []
     for k in range(max_k + 1):
-        round_cost = k * cost["c"] + cost["verify_cost"][str(k)]
-        e = expected_tokens(acceptance["alpha"], k)
-        em = acceptance["expected_tokens_measured"].get(str(k), e)
+        round_cost = price.round(k, bound=Bound.WORST)
+        e, em = expected_tokens(iid[:k]), expected_tokens(measured[:k])
         rows.append({"k": k, "expected_tokens": e, "expected_tokens_measured": em, "round_cost": round_cost,
                      "speedup": e / round_cost, "speedup_measured": em / round_cost})
     return rows
 
 
 def recommend(cost: dict, prediction: list[dict]) -> dict:
-    """Mode, policy and k: speculative when the best predicted speedup (measured acceptance) is >= 1.1;
-    otherwise lookahead when verifying several tokens is nearly free (v(4) <= 1.3, its guesses cost no draft
-    forwards), else plain decoding."""
+    """Mode, policy and k, by the cost model's one answer (``costmodel.best_round``, what the adaptive policy
+    decides each round): speculative when a round that drafts beats a plain step at the measured acceptance;
+    otherwise lookahead when a round of draft-free guesses at their prior acceptance (a prompt lookup's, which
+    costs no draft step) beats it; else plain decoding."""
+    max_k = len(prediction) - 1
     best = max(prediction[1:], key=lambda r: r["speedup_measured"])
-    if best["speedup_measured"] >= SPECULATIVE_MIN_SPEEDUP:
-        return {"mode": "speculative", "policy": "adaptive", "k": best["k"],
-                "predicted_speedup": best["speedup_measured"],
-                "why": f"predicted {best['speedup_measured']:.2f}x at k={best['k']} "
-                       f"(E={best['expected_tokens_measured']:.2f} tokens/round, round cost "
-                       f"{best['round_cost']:.2f} target steps); the adaptive policy starts there and follows "
+    gains = [r["expected_tokens_measured"] - p["expected_tokens_measured"] for p, r in zip(prediction, prediction[1:])]
+    price = _price(cost)
+    draft = best_round(price, gains, bound=Bound.WORST)
+    if draft is not None and draft.k > 0:
+        row = prediction[draft.k]
+        return {"mode": "speculative", "policy": "adaptive", "k": draft.k, "predicted_speedup": row["speedup_measured"],
+                "why": f"predicted {row['speedup_measured']:.2f}x at k={draft.k} "
+                       f"(E={row['expected_tokens_measured']:.2f} tokens/round, round cost "
+                       f"{row['round_cost']:.2f} target steps); the adaptive policy starts there and follows "
                        "the acceptance it sees"}
-    v = cost["verify_cost"]
-    v4 = v.get("4", v[max(v, key=int)])
-    if v4 <= 1.3:
-        return {"mode": "lookahead", "policy": "adaptive", "k": 4, "predicted_speedup": None,
-                "why": f"this draft does not pay off (best {best['speedup_measured']:.2f}x), but verifying 5 tokens "
-                       f"costs only {v4:.2f} target steps, so draft-free lookahead guesses are cheap to try"}
+    lookup = prefix_gains([prior_acceptance((SourceKind.HISTORY, 2))] * max_k)
+    guesses = best_round(ForwardPrice(price.cost, t_draft=0.0), lookup, bound=Bound.WORST)
+    if guesses is not None and guesses.k > 0:
+        return {"mode": "lookahead", "policy": "adaptive", "k": guesses.k, "predicted_speedup": guesses.rate,
+                "why": f"this draft does not pay off (best {best['speedup_measured']:.2f}x), but verifying "
+                       f"{guesses.k + 1} tokens costs {guesses.seconds:.2f} target steps, so draft-free guesses at "
+                       f"a prompt lookup's prior acceptance would give {guesses.rate:.2f}x"}
+    v = price(2, Bound.WORST)
     return {"mode": "plain", "policy": None, "k": 0, "predicted_speedup": 1.0,
             "why": f"best predicted speedup {best['speedup_measured']:.2f}x and verifying is not cheap here "
-                   f"(v(4)={v4:.2f}): plain decoding is fastest"}
+                   f"(v(2)={v:.2f}): plain decoding is fastest"}
 
 
 # ----------------------------------------------------------------------------------------------------------
