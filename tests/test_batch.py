@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 import hf_specdec
+from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy, tiny_model
 
 NEW = 24
@@ -70,12 +71,15 @@ def test_batched_speculative_equals_plain_batched_generate(model, rows, draft):
 
 
 @pytest.mark.parametrize("rows", [2, 4, 8])
-def test_batched_lookahead_equals_plain_batched_generate(model, rows):
+def test_batched_lookahead_equals_plain_batched_generate(model, rows, monkeypatch):
     ids, mask = left_padded(PROMPTS[:rows])
     expected = plain(model, ids, mask)
+    clock = VirtualClock(monkeypatch)  # injected flat costs: guessing pays on any machine, and the auto sizing runs
+    clock.charge(monkeypatch, model, lambda n: 1.0)
     memory = hf_specdec.LookaheadMemory()
     for _ in range(2):  # the second call starts from the first one's text: tries from the first round on
         assert torch.equal(lookahead(model, ids, mask, lookahead_memory=memory), expected)
+        assert model.last_spec_stats.drafted > 0
     # an explicit shape verifies candidates every round, whatever this CPU's costs (auto sizing decides by them)
     explicit = hf_specdec.LookaheadConfig(window=3, ngram=3, max_candidates=2)
     assert torch.equal(lookahead(model, ids, mask, lookahead_memory=memory, lookahead_config=explicit), expected)
