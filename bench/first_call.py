@@ -51,13 +51,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
-import io
 import json
-import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -68,25 +64,12 @@ sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an ins
 import torch  # noqa: E402
 
 import hf_specdec  # noqa: E402
+from old_commit import import_old  # noqa: E402  (bench/, beside this script)
 
 PROMPTS = ROOT / "bench" / "heldout.jsonl"
 SPEC_MODES = ("fresh", "after_short", "fresh_old", "after_short_old")
 BAR_MODES = ("fresh", "after_short")
 BF16_BAR, OVERALL_BAR, WORST_BAR = 1.3, 0.97, 0.90
-
-
-def import_old(rev: str, into: Path):
-    """hf_specdec at ``rev`` as the module ``hf_specdec_old`` (as bench/lookahead_before_after.py)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "hf_specdec"],
-                             check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    package = into / "hf_specdec_old"
-    (into / "hf_specdec").rename(package)
-    for path in package.rglob("*.py"):
-        path.write_text(re.sub(r"\bhf_specdec\b", "hf_specdec_old", path.read_text()))
-    sys.path.insert(0, str(into))
-    return importlib.import_module("hf_specdec_old")
 
 
 def git(*args: str) -> str | None:

@@ -16,13 +16,8 @@ a difference in speed comes from (more rounds, smaller or larger forwards, or sl
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import json
-import re
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -30,22 +25,9 @@ from pathlib import Path
 import torch
 
 import hf_specdec
+from old_commit import import_old
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def import_old(rev: str, into: Path):
-    """hf_specdec at ``rev`` as the module ``hf_specdec_old``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "hf_specdec"],
-                             check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    package = into / "hf_specdec_old"
-    (into / "hf_specdec").rename(package)
-    for path in package.rglob("*.py"):
-        path.write_text(re.sub(r"\bhf_specdec\b", "hf_specdec_old", path.read_text()))
-    sys.path.insert(0, str(into))
-    return importlib.import_module("hf_specdec_old")
 
 
 def main(argv=None) -> int:
