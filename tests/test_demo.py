@@ -319,3 +319,17 @@ def test_the_summary_shows_the_margin_at_the_first_differing_token():
     assert ("hf_specdec ✗ differs from token 3 (target's top-two logit margin there 0 in bfloat16: a tie in bf16 "
             "(margin ≤ one bf16 rounding step), not an error; fp32 is token-identical)") in panes.summary_line(
         [plain, other], sampling=False)
+
+
+def test_the_hf_specdec_pane_says_why_rounds_were_plain():
+    """The planner's reasons reach the page in its own words, most frequent first (issue 27)."""
+    from hf_specdec.demo.app import _notes
+
+    spec = {"rounds_spec_off": 14, "rounds": 40, "fell_back": None,
+            "plain_reasons": {"drafting does not pay": 2, "draft prompt read not repaid": 12},
+            "plain_wording": {"drafting does not pay": "drafting does not pay: 3.1 tok/s expected, 4.0 plain",
+                              "draft prompt read not repaid": "draft prompt read not repaid: 0.90 s to read, "
+                                                              "~0.70 s saved over the 12 tokens left"}}
+    (note,) = _notes("hf_specdec", {"spec": spec}, "adaptive")
+    assert note == ("no draft in 14 of 40 rounds (12: draft prompt read not repaid: 0.90 s to read, ~0.70 s saved "
+                    "over the 12 tokens left; 2: drafting does not pay: 3.1 tok/s expected, 4.0 plain)")

@@ -149,8 +149,13 @@ def _next_event(events: queue.Queue):
 def _notes(key: str, row: dict, policy: str) -> list[str]:
     spec, notes = row.get("spec") or {}, []
     if key == "hf_specdec" and spec.get("rounds_spec_off"):
-        why = " (the adaptive policy judged a draft not worth its cost there)" if policy == "adaptive" else ""
-        notes.append(f"no draft in {spec['rounds_spec_off']} of {spec.get('rounds')} rounds{why}")
+        reasons, wording = spec.get("plain_reasons") or {}, spec.get("plain_wording") or {}
+        why = "; ".join(f"{count}: {wording.get(kind, kind)}" for kind, count in
+                        sorted(reasons.items(), key=lambda item: -item[1]))  # the planner's own words, most first
+        if not why and policy == "adaptive":
+            why = "the adaptive policy judged a draft not worth its cost there"
+        rounds = f"no draft in {spec['rounds_spec_off']} of {spec.get('rounds')} rounds"
+        notes.append(f"{rounds} ({why})" if why else rounds)
     if spec.get("fell_back"):
         notes.append(f"fell back to plain decoding: {spec['fell_back']}")
     return notes
