@@ -146,6 +146,7 @@ class SpecStats:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["draft_length_hist"] = dict(sorted(self.draft_length_hist.items()))
+        data["plain_reasons"] = dict(self.plain_reasons.most_common())  # (asdict would count a Counter's pairs)
         data["verify_time_by_tokens"] = {
             n: sum(ts) / len(ts) for n, ts in sorted(self.verify_time_by_tokens.items()) if ts
         }

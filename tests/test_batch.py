@@ -62,7 +62,7 @@ def test_batched_speculative_equals_plain_batched_generate(model, rows, draft):
         out = speculative(model, drafter, ids, mask, policy=policy, speculative_memory=memory)
         assert torch.equal(out, expected), (policy, out, expected)
         assert model.last_spec_stats.drafted > 0, policy
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert stats.rows == rows and stats.new_tokens == rows * NEW
     if draft == "same":
         assert stats.accepted > 0 and stats.forwards < NEW  # rows accepted several tokens per forward

@@ -55,7 +55,7 @@ def test_prefill_time_is_reported_once(prompt):
     for kwargs in (dict(custom_generate=hf_specdec.speculative_generate, draft_model=model),
                    dict(custom_generate=hf_specdec.lookahead_generate)):
         model.generate(prompt, max_new_tokens=1, do_sample=False, **kwargs)
-        stats = model.last_spec_stats
+        stats = model.last_spec_stats.get()
         assert stats.rounds == 1 and stats.new_tokens == 1
         assert 0 < stats.prefill_time_s <= stats.total_time_s
         assert stats.ttft_s == stats.prefill_time_s
@@ -75,7 +75,7 @@ def test_a_profile_that_says_drafting_cannot_pay_means_no_draft_work_at_all(prom
     model.speculative_memory.seed(draft, forward_seconds={n: 0.1 * n for n in range(1, 33)}, draft_step_seconds=0.2)
     out = model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, model.generate.__wrapped__(prompt, max_new_tokens=NEW, do_sample=False))
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert calls == [] and stats.draft_forwards == 0 and stats.draft_setup_time_s == 0.0
     assert stats.rounds_spec_off == stats.rounds - 1
 
@@ -92,9 +92,22 @@ def test_a_profile_that_says_drafting_pays_drafts_from_the_first_round(prompt, m
     model.speculative_memory.seed(draft, forward_seconds={n: 0.1 for n in range(1, 33)}, draft_step_seconds=0.01)
     out = model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, model.generate.__wrapped__(prompt, max_new_tokens=NEW, do_sample=False))
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     # never a plain round but, when one token is left, the last (no room for a guess)
     assert stats.draft_length_hist[0] == stats.plain_reasons["no room left"] <= 1, stats.plain_reasons
     assert model.speculative_memory.estimates(draft).acceptance[(SourceKind.DRAFT, 0)].judged[0] > 0  # kept for later calls
     assert model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
                           speculative_memory=None).shape == out.shape  # a call on its own
+
+
+def test_stats_say_why_rounds_were_plain_and_serialise(prompt):
+    """Every plain round of a call is counted under the planner's reason, and the stats go to JSON as they are."""
+    import json
+
+    model = hf_specdec.enable(tiny_model("llama", seed=0))
+    model.generate(prompt, assistant_model=perturbed_copy(model, 0.02), max_new_tokens=NEW, do_sample=False)
+    stats = model.last_spec_stats.get()
+    assert sum(stats.plain_reasons.values()) == stats.rounds_spec_off > 0  # the first round at least: t(1)
+    assert stats.plain_reasons["a plain step first"] == 1
+    data = json.loads(json.dumps(stats.to_dict()))
+    assert data["plain_reasons"] == dict(stats.plain_reasons) and set(data["plain_wording"]) == set(data["plain_reasons"])

@@ -48,7 +48,7 @@ def test_greedy_lookahead_equals_plain_greedy(arch, attention, prompt, config):
     memory.seed({n: 1.0 for n in range(1, 65)})
     out = lookahead(model, prompt, config, lookahead_memory=memory)
     assert torch.equal(out, plain(model, prompt))
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert stats.mode == "lookahead" and stats.new_tokens == NEW
     assert stats.drafted > 0 and stats.rounds < NEW, stats.round_log
 
@@ -56,7 +56,7 @@ def test_greedy_lookahead_equals_plain_greedy(arch, attention, prompt, config):
 def test_repetitive_text_needs_fewer_forwards():
     model = tiny_model("qwen2")
     lookahead(model, REPETITIVE, CONFIGS["w3n3g2"])
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert stats.accepted > 0 and stats.mean_accepted_length > 1.2, stats.round_log
 
 
@@ -288,7 +288,7 @@ def test_memory_makes_a_repeated_request_cheap_and_keeps_output_exact():
     memory = LookaheadMemory()
     expected = plain(model, RANDOM)
     first = lookahead(model, RANDOM, LookaheadConfig(), lookahead_memory=memory)
-    first_stats = model.last_spec_stats
+    first_stats = model.last_spec_stats.get()
     assert first_stats.draft_length_hist[0] >= 1  # cold: the first round is a plain step that measures t(1)
     assert memory.corpus.tokens[: RANDOM.shape[1]] == RANDOM[0].tolist() and memory.estimates.forward.measured(1)
     # the tiny model's timings are noise (on an AVX2-only EPYC its first forwards over 8 inputs took 10 plain steps:
@@ -296,7 +296,7 @@ def test_memory_makes_a_repeated_request_cheap_and_keeps_output_exact():
     # are set here, and the regret budget (tested on its own above, with set costs) is opened
     memory.estimates.forward = ForwardCost.from_table({1: 0.01, 8: 0.01, 16: 0.011, 64: 0.02})
     second = lookahead(model, RANDOM, LookaheadConfig(max_regret=0.5), lookahead_memory=memory)
-    second_stats = model.last_spec_stats
+    second_stats = model.last_spec_stats.get()
     assert torch.equal(first, expected) and torch.equal(second, expected)
     # the earlier answer is a candidate from the first round on: a few forwards instead of one per token
     assert second_stats.round_log[1][0] > 0, second_stats.round_log

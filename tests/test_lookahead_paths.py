@@ -249,6 +249,6 @@ def test_hub_style_folder_routes_decoding_lookahead(model):
     out = model.generate(REPETITIVE, custom_generate=str(REPO_ROOT), trust_remote_code=True, decoding="lookahead",
                          max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, expected)
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert stats.mode == "lookahead" and stats.new_tokens == NEW
     assert stats.accepted > 0 and stats.rounds < NEW  # it really ran lookahead rounds

@@ -78,7 +78,7 @@ def test_target_oom_on_a_wide_verify_goes_on_with_half_the_guesses(prompt, caplo
     with caplog.at_level(logging.WARNING):
         out = hf_specdec.enable(model).generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
                                                 spec_config=hf_specdec.SpecConfig(policy="fixed", num_draft_tokens=8))
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert torch.equal(out, expected)
     assert stats.guess_cap == 4 and stats.fell_back is None
     assert "going on with at most 4" in caplog.text

@@ -34,7 +34,7 @@ def speculative(model, draft, prompt, policy, seeded=True, **kwargs):
 def test_draft_equal_to_target_accepts_everything(target, prompt, policy):
     out = speculative(target, target, prompt, policy)
     assert torch.equal(out, plain(target, prompt))
-    stats = target.last_spec_stats
+    stats = target.last_spec_stats.get()
     # every token the draft model proposed is accepted (prompt-lookup tokens riding along may not be)
     assert stats.drafted > stats.lookup_drafted
     assert stats.accepted - stats.lookup_accepted == stats.drafted - stats.lookup_drafted
@@ -53,7 +53,7 @@ def test_random_draft_accepts_almost_nothing(target, random_draft, prompt, polic
 def test_perturbed_draft_partial_acceptance(target, close_draft, prompt, policy):
     out = speculative(target, close_draft, prompt, policy)
     assert torch.equal(out, plain(target, prompt))
-    stats = target.last_spec_stats
+    stats = target.last_spec_stats.get()
     assert 0 < stats.accepted < stats.drafted  # adaptive too: the injected costs make drafting pay
 
 
@@ -94,7 +94,7 @@ def test_scripted_partial_acceptance(target, prompt, right, policy):
     drafter = ScriptedDrafter(reference, right, k=4)
     out = speculative(target, drafter, prompt, policy)
     assert torch.equal(out, reference[:, : prompt.shape[1] + NEW])
-    stats = target.last_spec_stats
+    stats = target.last_spec_stats.get()
     # no round accepts more than `right` draft tokens unless it accepted everything it drafted
     assert all(acc <= max(right, 0) or acc == emitted - 1 for acc, emitted in stats.round_log[1:])
     assert stats.accepted_per_position[0] == (stats.drafted_per_position[0] if right >= 1 else 0)
@@ -154,7 +154,7 @@ def test_adaptive_policy_turns_speculation_off_for_a_useless_draft(target, rando
                           spec_config=hf_specdec.SpecConfig(policy="adaptive", history_lookup=False),
                           max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, plain(target, prompt))
-    stats = target.last_spec_stats
+    stats = target.last_spec_stats.get()
     assert stats.rounds_spec_off > stats.rounds // 2, stats.round_log
 
 
@@ -201,5 +201,5 @@ def test_history_lookup_appends_repeated_text_and_keeps_output(monkeypatch):
     assert expected[0, 46:58].tolist() == expected[0, 50:62].tolist()  # the output repeats itself
     out = speculative(model, draft, prompt, "adaptive", seeded=False)  # the virtual clock's costs decide
     assert torch.equal(out, expected)
-    stats = model.last_spec_stats
+    stats = model.last_spec_stats.get()
     assert stats.lookup_drafted > 0 and stats.lookup_accepted > 0

@@ -55,7 +55,7 @@ def test_greedy_parity_where_the_target_picks_a_row_the_draft_lacks(target, rows
             draft.lm_head.weight[128:] = 10 * draft.lm_head.weight[:rows - 128]
     out = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, **fixed(draft))
     assert torch.equal(out, expected)
-    stats = target.last_spec_stats
+    stats = target.last_spec_stats.get()
     assert stats.drafted > 0 and stats.accepted > 0
 
 
