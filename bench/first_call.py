@@ -119,7 +119,7 @@ def stats_record(stats) -> dict | None:
 def load_models(args):
     """``(model, other, draft, tokenizer, load)``: the target as ``auto`` loaded it, the target in the other of
     bf16/fp32 (None with --no-other-dtype), the draft, the tokenizer and what was chosen."""
-    from hf_specdec.models.profile import model_format
+    from hf_specdec.models.formats import model_format
 
     if args.tiny:
         from hf_specdec.models.tiny import tiny_pair
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
                   flush=True)
         short_calls = runner.short
 
-    from hf_specdec.harness.machine import machine_record
+    from hf_specdec.models.hardware import machine_record
     from hf_specdec.models.hardware import cpu_flags
 
     flags = cpu_flags()
