@@ -128,7 +128,7 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
             policy, drafter = _shrink(error, policy, drafter, proposals, stats)
             continue
         # 7. emit
-        outcomes = [_emit(inputs, emitter, scores_out, row, dataclasses.replace(outcome, plan=plan), row_scores)
+        outcomes = [_emit(inputs, emitter, scores_out, row, outcome, row_scores, plan=plan)
                     for row, outcome, plan, row_scores in zip(active, outcomes, plans, scores)]
         # 8. learn
         stats.record(outcomes)
@@ -251,7 +251,7 @@ def _returned(inputs: DecodeInputs, scores, logits, kept: list[int]):
     return (scores[kept] if inputs.output_scores else None, logits[kept].float() if inputs.output_logits else None)
 
 
-def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, scores, tokens=None):
+def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, scores, tokens=None, plan=None):
     """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
     if tokens is None:
         tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
@@ -265,7 +265,8 @@ def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, 
     row.done = stop or row.prompt.shape[0] + len(row.new) >= inputs.max_length
     if outcome is None:
         return None
-    return dataclasses.replace(outcome, emitted=tuple(new_tokens.tolist()), finished=row.done)
+    return dataclasses.replace(outcome, emitted=tuple(new_tokens.tolist()), finished=row.done,
+                               plan=outcome.plan if plan is None else plan)
 
 
 def _leave(cache: kv.KVStore, rows: list[_Row]) -> list[_Row]:

@@ -105,7 +105,7 @@ class SpecStats:
         self.round_log.append((min(accepted, emitted), emitted))
         self.draft_time_s += proposal.draft_time
         self.draft_setup_time_s += proposal.setup_time
-        from_lookup = [not any(SourceKind(s.kind).model_drafted for s in sources) for sources in proposal.sources]
+        from_lookup = [all(s.kind != SourceKind.DRAFT for s in sources) for sources in proposal.sources]  # (str kinds too)
         self.lookup_drafted += sum(from_lookup)
         self.lookup_accepted += sum(from_lookup[node] for node in outcome.accepted)
 
