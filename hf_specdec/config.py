@@ -67,7 +67,8 @@ class SpecConfig(_FromDict):
         each probe that does not turn it back on, the interval doubles (up to 1024 rounds).
     max_regret:
         Adaptive only: the most time probing may lose against plain decoding, as a share of the time plain
-        decoding would have taken for the tokens emitted so far (a probe that would go past it waits).
+        decoding would have taken for the tokens emitted so far (a probe that would go past it waits); the
+        account is carried to the next call on the same memory at half, as lookahead's is.
     setup_margin:
         Adaptive only: the draft model reads the prompts (its prefill, which cannot be undone) only when
         drafting the tokens left is expected to save this many times what the read costs: the read is certain,
@@ -122,7 +123,7 @@ class SpecConfig(_FromDict):
 class LookaheadConfig(_FromDict):
     """Lookahead decoding (Jacobi window + n-gram pool + prompt lookup + recycling, verified as a trie), no draft
     model. ``"auto"`` sizes come from the measured forward cost and the learned acceptance of each source of
-    guesses (``policy.TreePolicy``); the rest are the tunables of that rule, with the values measured best.
+    guesses (``policy.Planner``); the rest are the tunables of that rule, with the values measured best.
     """
 
     window: Union[int, Auto] = "auto"  # W, Jacobi columns decoded in parallel ("auto": only where nearly free)

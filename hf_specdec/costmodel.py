@@ -534,7 +534,7 @@ class Estimates:
     ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
     size not measured yet (empty: the target's t(n) scales it); ``draft_read``: the draft model's prompt read,
     a learned share of the target's prefill (``ReadCost``); ``regret``:
-    what lookahead's guesses lost against plain decoding (``Regret``, carried across calls with the rest);
+    what guessing lost against plain decoding (``Regret``, carried across calls with the rest);
     ``acceptance``: one ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see
     ``round.SourceKind``), created with its prior the first time a policy asks for it; ``calibration``: the draft
     model's acceptance per bin of its own confidence; ``emas``: other running averages a policy keeps by name
@@ -559,7 +559,13 @@ class Estimates:
         return found
 
     def ema(self, name: str) -> Ema:
+        """The running average ``name``, made on first use (to update it)."""
         return self.emas.setdefault(name, Ema())
+
+    def ema_value(self, name: str) -> float | None:
+        """The value of the running average ``name`` (None before its first sample): a query, never makes one."""
+        found = self.emas.get(name)
+        return found.value if found is not None else None
 
     def confidence_bins(self, bins: int, decay: float = 1.0) -> DecayedAcceptance:
         """P(a draft token is accepted) per bin of the draft's own confidence in it (no prior of its own: each

@@ -31,7 +31,7 @@ from .drafters.lookahead import LookaheadDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, SpeculativeMemory
-from .policy import TreePolicy, make_policy
+from .policy import make_policy
 from .stats import SpecStats, stats_holder
 from .support import check_supported
 
@@ -122,7 +122,7 @@ def lookahead_generate(
                       spec_streamer)
     memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
     drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None))
-    return _run(model, inputs, drafter, TreePolicy(config, memory.estimates), spec_streamer, generation_config,
+    return _run(model, inputs, drafter, make_policy(config, memory.estimates), spec_streamer, generation_config,
                 "lookahead")
 
 

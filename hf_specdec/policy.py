@@ -1,27 +1,47 @@
-"""Every sizing decision: how many tokens to draft, when to stop drafting, how many lookup tokens, which trie
-nodes, how wide the Jacobi window. The policy answers one question per round and learns from every round:
+"""Every sizing decision, made by one planner: how many tokens the draft model drafts and when it stops, which
+ready-made candidates (prompt lookup, the lookahead pool, history, memory, recycled choices) are verified as a
+trie, how wide the Jacobi window is. The planner answers one question per round and learns from every round:
 
 - ``plan(views, offers) -> [RoundPlan]``: the sizes of this round for each row of the batch (``round.py``), from
   what the drafter offers and what was measured; a plan with nothing in it is a plain target step (speculation
-  off);
+  off), and says why;
 - ``observe(outcomes)``: what the round cost and what the target kept in each row (the same ``RoundOutcome``s
   the stats and the drafter get).
 
+One planner (``Planner``), whatever the drafter: a round is a trie over typed sources (``round.SourceKind``). The
+draft model's source is a chain sized inside the round (its tokens are not known when the round is planned);
+every other source is offered ready-made and sized as a trie before the round. One price for a forward
+(``price()``: ``costmodel.ForwardPrice``), one acceptance estimator per (source, depth) (``acceptance()``), one
+regret account and probe schedule (``Exploration``, over the account carried with the estimates), one
+``observe``. What a call may use comes from its config (``PlannerSettings``: a draft model's chain and prompt
+lookup, or ready-made candidates and a Jacobi window).
+
+A round, in order (``plan``; queries only, nothing changes state until ``observe``):
+
+1. Nothing measured at this batch size: a plain step, the reference every other size is compared to.
+2. The draft model (when the drafter has one): k from the adaptive rule below, or 0 with why (does not pay, its
+   prompt read is not repaid, no room), or a probe when one is due and the regret budget covers it.
+3. The ready-made candidates (one row, or any batch without a draft model): the trie of their best prefixes by
+   learned acceptance, sized by the same price, no wider than its worst case fits in the regret allowance
+   (``_affordable``).
+4. Whichever of the chain and the trie is expected to emit more tokens per second runs (the trie also when the
+   chain does not pay: an edit that copies its input needs no draft); neither: a plain step.
+5. A lookahead drafter's Jacobi window takes whatever inputs keep the forward within ``window_tolerance`` of its
+   cost, while its pool adds tokens.
+
 With B rows in a batch, every forward reads all of them: a round of n inputs per row costs t(B n), which grows
-with B much sooner than with n alone, so every rule below prices a row's guesses at t(B n) (for one row,
-t(n)) and the draft model's step at t_d of the batched draft forward. The acceptance estimates are shared by
-the rows (they are drawn from one text distribution). A batch drafts one k for all its rows (no confidence
+with B much sooner than with n alone, so every rule prices a row's guesses at t(B n) (for one row, t(n)) and the
+draft model's step at t_d of the batched draft forward. The acceptance estimates are shared by the rows (they
+are drawn from one text distribution). A batch with a draft model drafts one k for all its rows (no confidence
 stop, no prompt-lookup rounds or tails): the draft steps until its longest row stops and the forward is padded
 to its widest row, and one k measured faster than per-row lengths at every B > 1.
 
-Policies:
+Policies besides the planner, kept as references:
 
 ``FixedPolicy``      always k draft-model tokens.
 ``HeuristicPolicy``  transformers' ``num_assistant_tokens_schedule="heuristic"``: k += 2 after a round in which
-                     every draft token was accepted, else k = max(1, k - 1). Kept as a reference. (transformers
-                     also adds 2 after a round that drafted nothing; that quirk is not copied.)
-``AdaptivePolicy``   the default for a draft model: expected tokens per second from measured costs.
-``TreePolicy``       lookahead: the trie nodes and the window that maximise expected tokens per second.
+                     every draft token was accepted, else k = max(1, k - 1). (transformers also adds 2 after a
+                     round that drafted nothing; that quirk is not copied.)
 
 Every rule is the same argmax (``costmodel.best_count``) over the same estimates (``costmodel.Estimates``):
 a_i, the chance that guess i of a source is accepted given the ones before it were (``DecayedAcceptance``),
@@ -51,8 +71,8 @@ probability through decayed per-bin acceptance counts (10 bins, Beta prior centr
 After the draft, prompt lookup may append the continuation that followed the same tokens earlier in the prompt
 or output: lookup token j adds P_k * prod_{l<=j} b_l expected tokens (b_l learned like a_j), and the count m
 maximises the round's E / T with the measured t(k + 1 + m) (``lookup_tokens``). When the history alone offers a
-continuation whose expected rate beats the best draft round, the round verifies that continuation without
-running the draft at all: in an edit that copies its input, the draft's forwards are pure cost.
+continuation whose expected rate beats the best draft round (step 4), the round verifies that continuation
+without running the draft at all: in an edit that copies its input, the draft's forwards are pure cost.
 
 The in-round parts are a value (``AdaptiveChainRule``, frozen, made by ``plan``) that the drafter reads: it
 never reaches the policy, and the policy learns the round's confidences from the proposal, not from calls.
@@ -68,7 +88,8 @@ from .config import LookaheadConfig, SpecConfig
 from .costmodel import (Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, best_round,
                         prefix_gains)
 from .layout import merge_candidates
-from .round import Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind, prior_acceptance
+from .round import (PRIOR_WEIGHT, Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind,
+                    prior_acceptance)
 
 PLAIN = RoundPlan()
 
@@ -96,7 +117,7 @@ def judged_slots(outcomes: Sequence[RoundOutcome], kind: SourceKind) -> list[tup
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Draft-model policies
+# Reference policies; the draft model's in-round rule; exploration
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -242,33 +263,126 @@ class Exploration:
             self.interval = self.start_interval
 
 
-class AdaptivePolicy:
-    """k from expected tokens per second; an in-round confidence stop; prompt-lookup tails and lookup-only
-    rounds (module docstring)."""
+# ----------------------------------------------------------------------------------------------------------------
+# The planner
+# ----------------------------------------------------------------------------------------------------------------
 
-    NUM_BINS = 10  # confidence calibration bins
-    MAX_LOOKUP = 16  # longest prompt-lookup tail after the draft model's tokens
-    LEADING_LOOKUP = 10  # longest lookup-only round (transformers' prompt lookup uses 10)
+MAX_LOOKUP = 16  # longest prompt-lookup tail after the draft model's tokens
+LEADING_LOOKUP = 10  # longest round of ready-made candidates beside a draft model (transformers' prompt lookup: 10)
+NUM_BINS = 10  # confidence calibration bins of the draft model
+DRAFT, LOOKUP = (SourceKind.DRAFT, 0), (SourceKind.LOOKUP, 0)  # the sources beside a draft model
 
-    def __init__(self, config: SpecConfig, estimates: Estimates | None = None) -> None:
-        self.config = config
-        self.max_k = config.max_draft_tokens
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """What a ``Planner`` may size and its tunables, from the call's config (``speculative`` / ``lookahead``).
+
+    max_regret: the share of plain decoding's time guessing may lose (``Regret``); decay: weight old acceptance
+    observations keep per observation; max_depth: the deepest guess whose acceptance is learned apart.
+    The draft model's chain (only with a drafter that offers ``model_tokens``): num_draft_tokens, the first k
+    before the draft step is measured; max_draft_tokens, the cap; confidence_stop, the in-round stop (one row);
+    probe_interval, plain rounds before a probe; setup_margin, how many times drafting must repay the draft's
+    prompt read; lookup_tail, prompt-lookup tokens after the chain (one row).
+    Ready-made candidates (prompt lookup, pool, history, memory, recycled choices): max_forward_tokens, the most
+    inputs per row of such a round; max_candidates, "auto" (by expected rate) or G (G x (N - 1) nodes in
+    priority order); batch_candidates, whether a batch round verifies them (a draft model's batch drafts one k).
+    The Jacobi window (``window`` None: the drafter has none): window, ngram ("auto" or fixed W, N),
+    window_tolerance, prior_pool_gain, remeasure_interval (a round with nothing to verify is a plain step when
+    t(1) was last measured this many rounds ago).
+
+    >>> PlannerSettings.speculative(SpecConfig()).window is None, PlannerSettings.lookahead(LookaheadConfig()).window
+    (True, 'auto')
+    """
+
+    max_regret: float
+    decay: float
+    max_depth: int
+    max_forward_tokens: int
+    num_draft_tokens: int = 0
+    max_draft_tokens: int = 0
+    confidence_stop: bool = False
+    probe_interval: int = 16
+    setup_margin: float = 2.0
+    lookup_tail: bool = False
+    max_candidates: int | str = "auto"
+    batch_candidates: bool = True
+    window: int | str | None = None
+    ngram: int | str = "auto"
+    window_tolerance: float = 0.0
+    prior_pool_gain: float = 0.0
+    remeasure_interval: int = 16
+
+    @classmethod
+    def speculative(cls, config: SpecConfig) -> "PlannerSettings":
+        """A draft model's chain, with prompt lookup beside it when ``config.history_lookup``."""
+        return cls(max_regret=config.max_regret, decay=config.decay,
+                   max_depth=max(config.max_draft_tokens, MAX_LOOKUP),
+                   max_forward_tokens=1 + LEADING_LOOKUP if config.history_lookup else 1,
+                   num_draft_tokens=config.num_draft_tokens, max_draft_tokens=config.max_draft_tokens,
+                   confidence_stop=config.confidence_stop, probe_interval=config.probe_interval,
+                   setup_margin=config.setup_margin, lookup_tail=config.history_lookup, batch_candidates=False)
+
+    @classmethod
+    def lookahead(cls, config: LookaheadConfig) -> "PlannerSettings":
+        """Ready-made candidates and a Jacobi window, no draft model."""
+        return cls(max_regret=config.max_regret, decay=config.acceptance_decay, max_depth=config.max_depth,
+                   max_forward_tokens=config.max_forward_tokens, max_candidates=config.max_candidates,
+                   window=config.window, ngram=config.ngram, window_tolerance=config.window_tolerance,
+                   prior_pool_gain=config.prior_pool_gain, remeasure_interval=config.remeasure_interval)
+
+
+@dataclass(frozen=True)
+class TrieChoice:
+    """The ready-made candidates a round would verify: per row the kept prefixes (``chosen``), ``nodes`` slots per
+    row, and ``emitted``, the tokens the batch is expected to emit (B plus every row's kept gains)."""
+
+    chosen: tuple[tuple[Candidate, ...], ...]
+    nodes: int
+    emitted: float
+
+
+class Planner:
+    """The sizes of every round, for every drafter: one price, one acceptance estimator per (source, depth), one
+    regret account, learned from the same round outcomes (module docstring)."""
+
+    def __init__(self, settings: PlannerSettings, estimates: Estimates | None = None) -> None:
+        self.settings = settings
         self.estimates = estimates if estimates is not None else Estimates()
-        # P(draft position i accepted | the ones before were): Beta(2, 1) prior; lookup tokens: Beta(1, 1)
-        self.draft = self.estimates.source((SourceKind.DRAFT, 0), prior=prior_acceptance((SourceKind.DRAFT, 0)),
-                                           weight=3.0, decay=config.decay, slots=self.max_k)
-        self.lookup = self.estimates.source((SourceKind.LOOKUP, 0), prior=prior_acceptance((SourceKind.LOOKUP, 0)),
-                                            decay=config.decay, slots=self.MAX_LOOKUP)
-        self.calibration = self.estimates.confidence_bins(self.NUM_BINS, decay=config.decay)
-        # what probing lost against plain decoding in this call: a probe pays the draft's prompt read, and credit
-        # earned at other batch sizes or prompts says nothing of that bet (carried, it paid a read at B = 8)
-        self.exploration = Exploration(Regret(config.max_regret), config.probe_interval)
+        self.estimates.regret.start(settings.max_regret)  # earlier calls' account at half
+        self.exploration = Exploration(self.estimates.regret, settings.probe_interval)
+        self.calibration = self.estimates.confidence_bins(NUM_BINS, decay=settings.decay)
         self.estimates.draft_read.start_call()
         self.prefill: tuple[int, float] | None = None  # (tokens, seconds) of the target's read of this call's prompts
+        self.rounds = 0  # rounds observed
+        self.last_plain_round = 0  # the round that last measured t(1)
+
+    @classmethod
+    def speculative(cls, config: SpecConfig, estimates: Estimates | None = None) -> "Planner":
+        return cls(PlannerSettings.speculative(config), estimates)
+
+    @classmethod
+    def lookahead(cls, config: LookaheadConfig, estimates: Estimates | None = None) -> "Planner":
+        return cls(PlannerSettings.lookahead(config), estimates)
 
     @property
     def regret(self) -> Regret:
         return self.exploration.regret
+
+    # -- what was learned ---------------------------------------------------------------------------------------
+    def acceptance(self, key: tuple[SourceKind, int]) -> DecayedAcceptance:
+        """a_i of one source by depth: the one estimator of its acceptance (its prior alone, not stored, before
+        ``observe`` first learns from it: a query)."""
+        found = self.estimates.acceptance.get(key)
+        if found is not None:
+            return found
+        return DecayedAcceptance(prior_acceptance(key), PRIOR_WEIGHT[key[0]], self.settings.decay,
+                                 self.settings.max_depth)
+
+    def learned(self, key: tuple[SourceKind, int]) -> DecayedAcceptance:
+        """The stored estimator ``observe`` updates (made with its prior on first use)."""
+        return self.estimates.source(key, prior_acceptance(key), weight=PRIOR_WEIGHT[key[0]],
+                                     decay=self.settings.decay, slots=self.settings.max_depth)
+
 
     # -- prices -------------------------------------------------------------------------------------------------
     def price(self, rows: int = 1) -> ForwardPrice:
@@ -285,55 +399,77 @@ class AdaptivePolicy:
         return self.estimates.draft_read.estimate(seconds * max(1.0, setup_tokens / max(tokens, 1))) or 0.0
 
     def _best_draft_rate(self, price: ForwardPrice) -> float:
-        """The best expected tokens per second of a round that drafts 1..max_k tokens."""
-        gains = prefix_gains(self.draft.rates(self.max_k))
-        rates = [(1 + sum(gains[:k])) / t for k in range(1, self.max_k + 1) if (t := price.round(k)) is not None]
+        """The best expected tokens per second of a round that drafts 1..max_draft_tokens tokens."""
+        most = self.settings.max_draft_tokens
+        gains = prefix_gains(self.acceptance(DRAFT).rates(most))
+        rates = [(1 + sum(gains[:k])) / t for k in range(1, most + 1) if (t := price.round(k)) is not None]
         return max(rates, default=0.0)
 
-    def _prefer_lookup(self, price: ForwardPrice, num_lookup: int) -> bool:
-        """Is a round of ``num_lookup`` prompt-lookup tokens alone (no draft forward) worth more per second than
-        the best draft round? (Copying the input, as in edits, the draft is not needed.)"""
-        t_v = price(num_lookup + 1, Bound.WORST)
-        if t_v is None:
-            return False
-        return (1 + sum(prefix_gains(self.lookup.rates(num_lookup)))) / t_v > self._best_draft_rate(price)
-
     def rule(self, price: ForwardPrice | None = None) -> AdaptiveChainRule:
+        """The in-round rule of a chain drafted this round, over a snapshot of the estimates."""
         price = price if price is not None else self.price()
-        longest = self.max_k + 2 + self.MAX_LOOKUP
-        lookup = self.config.history_lookup and price.rows == 1
+        most = self.settings.max_draft_tokens
+        longest = most + 2 + MAX_LOOKUP
+        lookup = self.settings.lookup_tail and price.rows == 1
         return AdaptiveChainRule(
             t_draft=price.t_draft, t_step=price.table(longest), t_extrapolated=price.table(longest, Bound.WORST),
             bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
-            lookup_rates=tuple(self.lookup.rates(self.MAX_LOOKUP)) if lookup else (),
-            confidence_stop=self._confidence_stop(price.rows), max_tokens=self.max_k,
+            lookup_rates=tuple(self.acceptance(LOOKUP).rates(MAX_LOOKUP)) if lookup else (),
+            confidence_stop=self._confidence_stop(price.rows), max_tokens=most,
         )
 
     # -- decisions (queries: nothing here changes state) ----------------------------------------------------------
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
+        """Each row's round: a plain step first (the reference of every size); then the draft model's chain where
+        it pays, the trie of ready-made candidates where that pays more (or the chain does not pay), else a
+        plain step that says why; the Jacobi window (a lookahead drafter's) spends what the forward has spare."""
         rows = len(views)
+        if not self.estimates.forward.measured(rows):  # a plain step first: every other size is compared to it
+            return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
+                              why="a plain step first: the reference of every other size")
+                    for view, offer in zip(views, offers)]
         price = self.price(rows)
-        room = [view.budget for view in views]
-        budget = min(self.max_k, max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
-        if rows > 1:  # a B x (k + 1) forward grows with B long before it does at B = 1: rounds grow to at most
-            # twice the largest forward measured so far
-            budget = min(budget, max(1, 2 * self.estimates.forward.largest // rows - 1))
-        decision = self.decide(price, budget, max(room, default=0), sum(offer.setup_tokens for offer in offers))
-        if decision.k == 0:
-            return [RoundPlan(max_tokens=r, why=decision.why) for r in room]
+        budgets = [view.budget for view in views]
+        model = self.settings.max_draft_tokens > 0 and any(offer.model_tokens for offer in offers)
+        decision = self._decide_chain(price, views, offers) if model else Decision(0)
+        trie = self._trie(price, budgets, offers) if self._candidates(rows) else None
+        if decision.k and (price.t_draft is None or decision.probe):  # measure the draft: nothing to compare yet
+            return self._chain_plans(price, decision, budgets, offers)
+        if decision.k and not (trie and trie.nodes and self._trie_rate(price, trie) > self._best_draft_rate(price)):
+            return self._chain_plans(price, decision, budgets, offers)
+        if trie is None:
+            return [RoundPlan(max_tokens=budget, why=decision.why) for budget in budgets]
+        why = decision.why or "no guess worth its cost"
+        return self._trie_plans(price, trie, budgets, offers, why)
+
+    def _candidates(self, rows: int) -> bool:
+        """Are ready-made candidates verified in a round of ``rows`` rows?"""
+        return self.settings.max_forward_tokens > 1 and (rows == 1 or self.settings.batch_candidates)
+
+    # The confidence stop and prompt lookup (tails, rounds of candidates) size each row apart, which pays for one
+    # row. In a batch the draft steps until its longest row stops and the forward is padded to its widest row,
+    # so one k for the batch (k*) measured faster at every B > 1 (docs/benchmarks.md, batch runs).
+    def _confidence_stop(self, rows: int) -> bool:
+        return self.settings.confidence_stop and rows == 1
+
+    # -- the draft model's chain ----------------------------------------------------------------------------------
+    def _decide_chain(self, price: ForwardPrice, views: Sequence[RowView], offers: Sequence[Offer]) -> Decision:
+        room = max((view.budget for view in views), default=0)
+        budget = min(self.settings.max_draft_tokens,
+                     max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
+        if price.rows > 1:  # a B x (k + 1) forward grows with B long before it does at B = 1: rounds grow to at
+            # most twice the largest forward measured so far
+            budget = min(budget, max(1, 2 * self.estimates.forward.largest // price.rows - 1))
+        return self.decide(price, budget, room, sum(offer.setup_tokens for offer in offers))
+
+    def _chain_plans(self, price: ForwardPrice, decision: Decision, budgets: Sequence[int],
+                     offers: Sequence[Offer]) -> list[RoundPlan]:
         if price.t_draft is None:  # t_d unknown: draft the starting k once, measure it
-            return [RoundPlan(model_tokens=min(decision.k, r), max_tokens=r, probe=decision.probe) for r in room]
-        rule, plans = self.rule(price), []
-        lookup = self.config.history_lookup and rows == 1
-        for view, offer in zip(views, offers):
-            leading = next((c for c in offer.candidates if c.source == (SourceKind.LOOKUP, 0)), None)
-            if lookup and leading is not None and self._prefer_lookup(price, len(leading.tokens[: self.LEADING_LOOKUP])):
-                plans.append(RoundPlan(candidates=(Candidate(leading.tokens[: self.LEADING_LOOKUP], leading.source),),
-                                       max_tokens=view.budget))
-            else:
-                plans.append(RoundPlan(model_tokens=min(decision.k, view.budget, offer.model_tokens),
-                                       max_tokens=view.budget, rule=rule, probe=decision.probe))
-        return plans
+            return [RoundPlan(model_tokens=min(decision.k, budget), max_tokens=budget, probe=decision.probe)
+                    for budget in budgets]
+        rule = self.rule(price)
+        return [RoundPlan(model_tokens=min(decision.k, budget, offer.model_tokens), max_tokens=budget, rule=rule,
+                          probe=decision.probe) for budget, offer in zip(budgets, offers)]
 
     def _saved(self, price: ForwardPrice, k: int, gains: Sequence[float], remaining: int) -> float:
         """Seconds drafting k a round saves over the ``remaining`` tokens against plain steps, every row advancing
@@ -341,12 +477,12 @@ class AdaptivePolicy:
         return remaining * (price.step() - price.round(k, bound=Bound.WORST) / (1 + sum(gains[:k])))
 
     def decide(self, price: ForwardPrice, budget: int, remaining: int, setup_tokens: int) -> Decision:
-        """The most draft-model tokens this round: 0 (a plain step, with why) while t(1) or the draft's worth is
-        unknown or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens cannot
-        repay ``setup_margin`` times reading them; with ``confidence_stop`` the cap (the in-round rule decides),
-        else k*.
+        """The most draft-model tokens this round: 0 (a plain step, with why) while the draft's worth is unknown
+        or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens cannot repay
+        ``setup_margin`` times reading them; with ``confidence_stop`` the cap (the in-round rule decides), else
+        k*; a probe when one is due and affordable.
 
-        >>> policy = AdaptivePolicy(SpecConfig(confidence_stop=False))  # setup_margin=2.0
+        >>> policy = Planner.speculative(SpecConfig(confidence_stop=False))  # setup_margin=2.0
         >>> policy.estimates.forward.observe(1, 0.10); policy.estimates.forward.observe(4, 0.12)
         >>> policy.estimates.draft_step.observe(1, 0.02); policy.estimates.draft_read.ratio.update(0.25)
         >>> policy.observe_prefill(tokens=200, seconds=4.0)  # the draft would read it in 1 s
@@ -357,17 +493,15 @@ class AdaptivePolicy:
         """
         if budget <= 0:
             return Decision(0, why="no room left: the length limit")
-        if not self.estimates.forward.measured(price.rows):
-            return Decision(0, why="a plain step first: the reference of every other size")
         if price.t_draft is None:
-            return Decision(min(self.config.num_draft_tokens, budget))
-        gains = prefix_gains(self.draft.rates(budget))
+            return Decision(min(self.settings.num_draft_tokens, budget))
+        gains = prefix_gains(self.acceptance(DRAFT).rates(budget))
         best = best_round(price, gains, budget)
         best_k = best.k if best is not None else 0
         read = self.read_seconds(setup_tokens)
         if best_k > 0:
             saved = self._saved(price, best_k, gains, remaining) if read else 0.0
-            if read and saved <= self.config.setup_margin * read:
+            if read and saved <= self.settings.setup_margin * read:
                 return Decision(0, why=f"{READ_NOT_REPAID}: {read:.2f} s to read, ~{saved:.2f} s saved "
                                        f"over the {remaining} tokens left")
             # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which
@@ -380,11 +514,98 @@ class AdaptivePolicy:
         return Decision(0, why=f"drafting does not pay: {self._best_draft_rate(price):.1f} tok/s expected, "
                                f"{1 / step if step else 0.0:.1f} plain")
 
-    # The confidence stop and prompt lookup (tails, lookup-only rounds) size each row apart, which pays for one
-    # row. In a batch the draft steps until its longest row stops and the forward is padded to its widest row,
-    # so one k for the batch (k*) measured faster at every B > 1 (docs/benchmarks.md, batch runs).
-    def _confidence_stop(self, rows: int) -> bool:
-        return self.config.confidence_stop and rows == 1
+    # -- ready-made candidates: a trie ----------------------------------------------------------------------------
+    def _affordable(self, price: ForwardPrice, limit: int) -> int:
+        """The widest forward (inputs per row, at most ``limit``) whose worst case stays within the regret budget.
+
+        At worst every guess is rejected and the round emits what a plain step does, so it loses t(n) - t(1),
+        with t(n) at ``Bound.WORST``. Sizing each round by that, instead of guessing while the account is within
+        budget, bounds the loss of every call, not only its average (docs/benchmarks.md: one round over 24
+        inputs on a CPU without bf16 units lost more than a whole 64-token call's budget). Where t(n) is flat
+        the first sizes are affordable after a few plain steps, and every round that pays widens what the next
+        may try. 1: nothing is affordable, a plain step earns the budget back."""
+        allowance, step = price.allowance, price.step() or 0.0
+
+        def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
+            return (price(n, Bound.WORST) or 0.0) - step > allowance
+
+        if limit <= 1 or not loses(limit):  # the usual case once guessing has paid: one estimate, not one a size
+            return limit
+        return next(n for n in range(2, limit + 1) if loses(n)) - 1
+
+    def _limit(self, price: ForwardPrice) -> int:
+        """The most inputs per row a round of candidates (and window) may read: sizes above twice the largest
+        measured are not considered yet, so exploration grows one doubling a round (from 8 inputs at B = 1,
+        where t(1..8) is flat on every device measured; from the plain step at B > 1, where a B x 8 forward is
+        far past anything measured); with "auto" sizes, only what the regret budget covers at worst."""
+        settings, rows = self.settings, price.rows
+        limit = min(settings.max_forward_tokens, max(8 if rows == 1 else 1, 2 * self.estimates.forward.largest // rows))
+        if settings.max_candidates == "auto" and settings.window in ("auto", None):
+            limit = self._affordable(price, limit)
+        return limit
+
+    def _trie(self, price: ForwardPrice, budgets: Sequence[int], offers: Sequence[Offer]) -> TrieChoice:
+        """One width for the batch: the forward is padded to its widest row, so a node in one row costs every row
+        its slot. The i-th slot adds the sum over rows of each row's i-th best prefix gain, the round emits
+        B + that sum in t(1 + n) per row, and n maximises the ratio (for one row, the row's own argmax)."""
+        candidates = tuple(tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
+                           for budget, offer in zip(budgets, offers))
+        if self.settings.max_candidates != "auto":
+            return TrieChoice(candidates, 0, float(len(offers)))
+        rates: dict[tuple[SourceKind, int], list[float]] = {}  # per source, to the deepest candidate: once a round
+        for row in candidates:
+            for c in row:
+                if len(rates.get(c.source, ())) < len(c.tokens):
+                    rates[c.source] = self.acceptance(c.source).rates(len(c.tokens))
+        ranked = [rank_prefixes([(c.tokens, rates[c.source]) for c in row]) for row in candidates]
+        slots = [sum(row[i][1] for row in ranked if i < len(row)) for i in range(max(map(len, ranked), default=0))]
+        nodes = best_count(slots, lambda n: price(1 + n) or 0.0, self._limit(price) - 1, base=float(len(offers)))
+        chosen = tuple(_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})
+                       for row, prefixes in zip(candidates, ranked))
+        return TrieChoice(chosen, nodes, len(offers) + sum(slots[:nodes]))
+
+    def _trie_rate(self, price: ForwardPrice, trie: TrieChoice) -> float:
+        """Expected tokens per second of the round that verifies ``trie`` alone (no draft forward)."""
+        t = price(1 + trie.nodes)
+        return trie.emitted / price.rows / t if t else 0.0
+
+    def _window(self, price: ForwardPrice, nodes: int) -> tuple[int, int]:
+        """(W, N) of the Jacobi window: explicit W/N as given; "auto", from whatever extra inputs keep the forward
+        within ``window_tolerance`` of its cost, and only while its pool adds tokens."""
+        settings = self.settings
+        if settings.window is None:
+            return 1, 2
+        if settings.window != "auto":
+            return settings.window, settings.ngram if settings.ngram != "auto" else (3 if settings.window > 1 else 2)
+        used, limit = 1 + nodes, self._limit(price)
+        pool_gain = self.estimates.ema_value("pool_gain")
+        round_tokens = self.estimates.ema_value("round_tokens")
+        worth = min(settings.window_tolerance,
+                    (settings.prior_pool_gain if pool_gain is None else pool_gain) / (round_tokens or 1.0))
+        extra = free_extra_tokens(lambda n: price(n) or 0.0, used, limit - used, worth)
+        if used == 1 and self.rounds + 1 - self.last_plain_round >= settings.remeasure_interval:
+            extra = 0  # nothing to verify: a plain step, which keeps t(1), the reference of every size, fresh
+        window, ngram = window_shape(extra)
+        if settings.ngram != "auto":
+            ngram = settings.ngram
+            window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
+        return window, ngram
+
+    def _trie_plans(self, price: ForwardPrice, trie: TrieChoice, budgets: Sequence[int], offers: Sequence[Offer],
+                    why: str) -> list[RoundPlan]:
+        window, ngram = self._window(price, trie.nodes)
+        plans = []
+        for budget, offer, kept in zip(budgets, offers, trie.chosen):
+            if self.settings.max_candidates != "auto":
+                trie_nodes = merge_candidates(kept, self.settings.max_candidates * (ngram - 1))
+                kept = _truncate_to_trie(kept, {tuple(trie_nodes.tokens[n] for n in trie_nodes.path(node))
+                                                for node in range(trie_nodes.num_tokens)})
+            shape = (window, ngram)
+            if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
+                shape = (1, 2)  # the window would run past the position table
+            plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape, offered=bool(offer.candidates),
+                                   why="" if kept or shape != (1, 2) else why))
+        return plans
 
     # -- learning -----------------------------------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -392,21 +613,47 @@ class AdaptivePolicy:
         self.prefill = (int(tokens), float(seconds))
 
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
+        """Learn from one round: the forward's cost, what guessing lost, each source's acceptance per depth, the
+        draft's step, read and calibration, what the pool adds, and the probe schedule."""
         first = outcomes[0]
+        self.rounds += 1
+        if all(outcome.plan.is_plain for outcome in outcomes):
+            self.last_plain_round = self.rounds
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
         _observe_regret(self.regret, self.estimates, outcomes)
-        lookup = judged_slots(outcomes, SourceKind.LOOKUP)
-        if lookup:
-            self.lookup.observe_slots(lookup)
+        by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
+        for outcome in outcomes:
+            if outcome.plan.offered:  # tokens per round of the rounds that had something to guess from
+                self.estimates.ema("round_tokens").update(len(outcome.emitted))
+            self._observe_row(outcome, by_source)
+        for key, slots in by_source.items():  # counts fade once per candidate judged (one first token each)
+            self.learned(key).observe_slots(slots, decays=max(1, sum(position == 1 for position, _ in slots)))
         forwards = max(outcome.proposal.draft_forwards for outcome in outcomes)
         probe = any(outcome.plan.probe for outcome in outcomes)
         if any(outcome.plan.why.startswith(READ_NOT_REPAID) for outcome in outcomes):
             self.estimates.draft_read.blocked = True
         if forwards:
             self._observe_draft(outcomes, forwards)
-        best = best_round(self.price(len(outcomes)), prefix_gains(self.draft.rates(self.max_k))) if probe else None
-        pays = best is not None and best.k > 0
-        self.exploration.observe(drafted=bool(forwards), probe=probe, pays=pays)
+        most = self.settings.max_draft_tokens
+        best = best_round(self.price(len(outcomes)), prefix_gains(self.acceptance(DRAFT).rates(most))) if probe else None
+        self.exploration.observe(drafted=bool(forwards), probe=probe, pays=best is not None and best.k > 0)
+
+    def _observe_row(self, outcome: RoundOutcome, by_source: dict) -> None:
+        proposal = outcome.proposal
+        if not proposal.num_tokens:
+            return
+        kept, judged = set(outcome.accepted), outcome.judged()
+        for node, sources in enumerate(proposal.sources):
+            if judged[node]:
+                for source in sources:
+                    by_source.setdefault(source.key, []).append((source.position, node in kept))
+        # tokens only the pool offered: how deep the accepted path goes with a pool source vs with any other
+        if any(source.kind == SourceKind.POOL for sources in proposal.sources for source in sources):
+            depth_by = {True: 0, False: 0}
+            for depth, node in enumerate(outcome.accepted, start=1):
+                for source in proposal.sources[node]:
+                    depth_by[source.kind == SourceKind.POOL] = depth
+            self.estimates.ema("pool_gain").update(max(0, depth_by[True] - depth_by[False]))
 
     def _observe_draft(self, outcomes: Sequence[RoundOutcome], forwards: int) -> None:
         proposals = [outcome.proposal for outcome in outcomes]
@@ -416,11 +663,10 @@ class AdaptivePolicy:
             self.estimates.draft_read.observe(setup, seconds * max(1.0, setup_tokens / max(tokens, 1)))
         drafting = sum(p.draft_time for p in proposals)  # the batch's, over its rows
         self.estimates.draft_step.observe(len(outcomes), drafting / forwards)
-        self.draft.observe_slots(judged_slots(outcomes, SourceKind.DRAFT))
         bins = []
         for outcome in outcomes:
             drafted = judged_slots([outcome], SourceKind.DRAFT)
-            bins += [(min(int(c * self.NUM_BINS), self.NUM_BINS - 1) + 1, kept)
+            bins += [(min(int(c * NUM_BINS), NUM_BINS - 1) + 1, kept)
                      for c, (_, kept) in zip(outcome.proposal.confidences, drafted)]
         self.calibration.observe_slots(bins)
 
@@ -475,16 +721,19 @@ class CappedPolicy:
         self.policy.observe_prefill(tokens, seconds)
 
 
-def make_policy(config: SpecConfig, estimates: Estimates | None = None) -> Policy:
+def make_policy(config: SpecConfig | LookaheadConfig, estimates: Estimates | None = None) -> Policy:
+    """The policy a call's config asks for: the planner, or a draft model's fixed or heuristic k."""
+    if isinstance(config, LookaheadConfig):
+        return Planner.lookahead(config, estimates)
     if config.policy == "fixed":
         return FixedPolicy(config.num_draft_tokens)
     if config.policy == "heuristic":
         return HeuristicPolicy(config.num_draft_tokens, config.max_draft_tokens)
-    return AdaptivePolicy(config, estimates)
+    return Planner.speculative(config, estimates)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Lookahead: a trie of ready-made candidates and a Jacobi window
+# Ready-made candidates: ranking a trie, sizing the Jacobi window (pure)
 # ----------------------------------------------------------------------------------------------------------------
 
 def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[tuple[tuple[int, ...], float]]:
@@ -542,146 +791,3 @@ def _truncate_to_trie(candidates: Sequence[Candidate], prefixes: set[tuple[int, 
         if depth:
             kept.append(Candidate(tuple(candidate.tokens[:depth]), candidate.source))
     return tuple(kept)
-
-
-class TreePolicy:
-    """Lookahead sizing: the trie nodes that maximise expected tokens per second (learned acceptance per source
-    and depth, measured forward cost), then a Jacobi window from whatever extra inputs keep the forward within
-    ``window_tolerance`` of its cost, and only while its pool adds tokens. Explicit W/N/G are used as given
-    (explicit G: G*(N-1) trie nodes, candidates in priority order)."""
-
-    def __init__(self, config: LookaheadConfig, estimates: Estimates) -> None:
-        self.config = config
-        self.estimates = estimates
-        self.regret = self.estimates.regret  # what guessing lost against plain decoding (earlier calls' at half)
-        self.regret.start(config.max_regret)
-        self.rounds = 0  # rounds observed
-        self.last_plain_round = 0  # the round that last measured t(1)
-
-    def acceptance(self, key: tuple[SourceKind, int]) -> DecayedAcceptance:
-        return self.estimates.source(key, prior_acceptance(key), decay=self.config.acceptance_decay,
-                                     slots=self.config.max_depth)
-
-    def price(self, rows: int = 1) -> ForwardPrice:
-        """The one price of this round's forward for ``rows`` rows (``costmodel.ForwardPrice``)."""
-        return ForwardPrice(self.estimates.forward, rows, self.regret.allowance())
-
-    def _affordable(self, price: ForwardPrice, limit: int) -> int:
-        """The widest forward (inputs per row, at most ``limit``) whose worst case stays within the regret budget.
-
-        At worst every guess is rejected and the round emits what a plain step does, so it loses t(n) - t(1),
-        with t(n) at ``Bound.WORST``. Sizing each round by that, instead of guessing while the account is within
-        budget, bounds the loss of every call, not only its average (docs/benchmarks.md: one round over 24
-        inputs on a CPU without bf16 units lost more than a whole 64-token call's budget). Where t(n) is flat
-        the first sizes are affordable after a few plain steps, and every round that pays widens what the next
-        may try. 1: nothing is affordable, a plain step earns the budget back."""
-        allowance, step = price.allowance, price.step() or 0.0
-
-        def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
-            return (price(n, Bound.WORST) or 0.0) - step > allowance
-
-        if limit <= 1 or not loses(limit):  # the usual case once guessing has paid: one estimate, not one a size
-            return limit
-        return next(n for n in range(2, limit + 1) if loses(n)) - 1
-
-    def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
-        rows = len(views)
-        if not self.estimates.forward.measured(rows):  # a plain step first: every other size is compared to it
-            return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
-                              why="a plain step first: the reference of every other size")
-                    for view, offer in zip(views, offers)]
-        return self._plan_rows(self.price(rows), [view.budget for view in views], offers)
-
-    def _plan_rows(self, price: ForwardPrice, budgets: Sequence[int], offers: Sequence[Offer]) -> list[RoundPlan]:
-        """One width for the batch: the forward is padded to its widest row, so a node in one row costs every row
-        its slot. The i-th slot adds the sum over rows of each row's i-th best prefix gain, the round emits
-        B + that sum in t(B (1 + n)), and n maximises the ratio (for one row, the row's own argmax)."""
-        config, cost, rows = self.config, self.estimates.forward, price.rows
-        seconds = lambda n: price(n) or 0.0  # noqa: E731 - the round's price, 0 before anything is measured
-        # sizes above twice the largest measured are not considered yet: exploration grows one doubling a round
-        # (from 8 inputs at B = 1, where t(1..8) is flat on every device measured; from the plain step at B > 1,
-        # where a B x 8 forward is far past anything measured)
-        limit = min(config.max_forward_tokens, max(8 if rows == 1 else 1, 2 * cost.largest // rows))
-        auto = config.window == "auto" and config.max_candidates == "auto"
-        if auto:
-            limit = self._affordable(price, limit)
-        candidates = [tuple(Candidate(c.tokens[:budget], c.source) for c in offer.candidates if budget > 0)
-                      for budget, offer in zip(budgets, offers)]
-        chosen: list[tuple[Candidate, ...]] = [()] * len(offers)
-        num_nodes = 0
-        if config.max_candidates == "auto":
-            rates: dict[tuple[SourceKind, int], list[float]] = {}  # per source, to the deepest candidate: once a round
-            for row in candidates:
-                for c in row:
-                    if len(rates.get(c.source, ())) < len(c.tokens):
-                        rates[c.source] = self.acceptance(c.source).rates(len(c.tokens))
-            ranked = [rank_prefixes([(c.tokens, rates[c.source]) for c in row]) for row in candidates]
-            slots = [sum(row[i][1] for row in ranked if i < len(row)) for i in range(max(map(len, ranked)))]
-            nodes = best_count(slots, lambda n: seconds(1 + n), limit - 1, base=float(len(offers)))
-            chosen = [_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})
-                      for row, prefixes in zip(candidates, ranked)]
-            num_nodes = nodes  # best_count never goes past len(slots)
-        if config.window != "auto":
-            window = config.window
-            ngram = config.ngram if config.ngram != "auto" else (3 if window > 1 else 2)
-        else:
-            used = 1 + num_nodes
-            pool_gain = self.estimates.ema("pool_gain").value
-            round_tokens = self.estimates.ema("round_tokens").value
-            worth = min(config.window_tolerance,
-                        (config.prior_pool_gain if pool_gain is None else pool_gain) / (round_tokens or 1.0))
-            extra = free_extra_tokens(seconds, used, limit - used, worth)
-            if used == 1 and self.rounds + 1 - self.last_plain_round >= config.remeasure_interval:
-                extra = 0  # nothing to verify: a plain step, which keeps t(1), the reference of every size, fresh
-            window, ngram = window_shape(extra)
-            if config.ngram != "auto":
-                ngram = config.ngram
-                window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
-        plans = []
-        for budget, offer, row, kept in zip(budgets, offers, candidates, chosen):
-            if config.max_candidates != "auto":
-                trie = merge_candidates(row, config.max_candidates * (ngram - 1))
-                kept = _truncate_to_trie(row, {tuple(trie.tokens[n] for n in trie.path(node))
-                                               for node in range(trie.num_tokens)})
-            shape = (window, ngram)
-            if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
-                shape = (1, 2)  # the window would run past the position table
-            plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape, offered=bool(offer.candidates),
-                                   why="" if kept or shape != (1, 2) else "no guess worth its cost"))
-        return plans
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Nothing to learn: lookahead has no draft model that would read the prompts."""
-
-    def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
-        """Learn each source's acceptance per depth, what the pool adds, tokens per round, and the cost."""
-        first = outcomes[0]
-        self.rounds += 1
-        if all(outcome.plan.is_plain for outcome in outcomes):
-            self.last_plain_round = self.rounds
-        self.estimates.forward.observe(first.forward_tokens, first.verify_time)
-        _observe_regret(self.regret, self.estimates, outcomes)
-        by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
-        for outcome in outcomes:
-            if outcome.plan.offered:  # tokens per round of the rounds that had something to guess from, verified or not
-                self.estimates.ema("round_tokens").update(len(outcome.emitted))
-            self._observe_row(outcome, by_source)
-        for key, slots in by_source.items():  # counts fade once per candidate judged (one first token each)
-            self.acceptance(key).observe_slots(slots, decays=max(1, sum(position == 1 for position, _ in slots)))
-
-    def _observe_row(self, outcome: RoundOutcome, by_source: dict) -> None:
-        proposal = outcome.proposal
-        if not proposal.num_tokens:
-            return
-        kept, judged = set(outcome.accepted), outcome.judged()
-        for node, sources in enumerate(proposal.sources):
-            if judged[node]:
-                for source in sources:
-                    by_source.setdefault(source.key, []).append((source.position, node in kept))
-        # tokens only the pool offered: how deep the accepted path goes with a pool source vs with any other
-        depth_by = {True: 0, False: 0}
-        for depth, node in enumerate(outcome.accepted, start=1):
-            for source in proposal.sources[node]:
-                depth_by[source.kind == SourceKind.POOL] = depth
-        if any(source.kind == SourceKind.POOL for sources in proposal.sources for source in sources):
-            self.estimates.ema("pool_gain").update(max(0, depth_by[True] - depth_by[False]))

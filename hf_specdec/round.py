@@ -81,6 +81,11 @@ PRIOR_ACCEPTANCE = MappingProxyType({
     SourceKind.RECYCLE_SECOND: (0.1, 0.05, 0.03),
 })
 
+# How many observations each prior counts as (its Beta pseudo-counts): the draft model's 2/3 is Beta(2, 1), a
+# belief about a whole model's agreement; every other prior is Beta(p, 1 - p) scaled to 2, a guess the first
+# rounds overrule.
+PRIOR_WEIGHT = MappingProxyType({kind: 3.0 if kind is SourceKind.DRAFT else 2.0 for kind in SourceKind})
+
 
 def prior_acceptance(key: tuple[SourceKind, int]) -> float:
     """The prior of a source ``(kind, variant)``.

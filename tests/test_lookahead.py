@@ -13,7 +13,7 @@ from hf_specdec.costmodel import DecayedAcceptance, Estimates, ForwardCost, best
 from hf_specdec.drafters.lookahead import LookaheadDrafter
 from hf_specdec.layout import merge_candidates, round_layout, stack_layouts, window_inputs
 from hf_specdec.memory import LookaheadMemory
-from hf_specdec.policy import TreePolicy, free_extra_tokens, rank_prefixes, window_shape
+from hf_specdec.policy import Planner, free_extra_tokens, rank_prefixes, window_shape
 from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, SourceKind
 from hf_specdec.verify import verify_tree_sampled
 from tests.conftest import tiny_model
@@ -177,7 +177,7 @@ def test_round_size_follows_expected_rate_and_measured_cost():
 def test_window_gets_tokens_only_while_its_pool_pays():
     config, estimates = LookaheadConfig(), Estimates()
     estimates.regret.plain_seconds = 1000.0  # earlier calls' plain time: the regret budget is not what is tested
-    policy = TreePolicy(config, estimates)
+    policy = Planner.lookahead(config, estimates)
     view = RowView(0, torch.arange(10), 8)
 
     def plan():
@@ -203,7 +203,7 @@ def test_a_batch_lookahead_round_grows_from_its_plain_step_one_doubling_at_a_tim
     """At B = 8 after a plain step (8 inputs measured) every larger forward looks free by flat extrapolation; a
     round reads at most twice what was measured (2 per row), not 8 per row (a 64-input forward)."""
     config, estimates = LookaheadConfig(), Estimates()
-    policy = TreePolicy(config, estimates)
+    policy = Planner.lookahead(config, estimates)
     views = [RowView(r, torch.arange(10), 32) for r in range(8)]
     offers = [Offer(candidates=(Candidate(tuple(range(20, 30)), (SourceKind.HISTORY, 2)),))] * 8
     estimates.forward.observe(8, 1.0)  # the plain step of 8 rows
@@ -223,7 +223,7 @@ def test_a_batch_lookahead_round_widens_only_when_the_whole_batch_gains():
     time on its own, but the batch emits 4.6 tokens for 1.3x (plain); when every row has one it emits 6.4."""
     config, estimates = LookaheadConfig(), Estimates()
     estimates.regret.plain_seconds = 1000.0  # the regret budget is not what is tested here
-    policy = TreePolicy(config, estimates)
+    policy = Planner.lookahead(config, estimates)
     views = [RowView(r, torch.arange(10), 32) for r in range(4)]
     estimates.forward.observe(4, 0.10)
     estimates.forward.observe(8, 0.13)
@@ -245,7 +245,7 @@ def test_depth_acceptance_learns_per_depth():
 def test_alternative_continuations_are_learned_apart_from_the_first():
     model = tiny_model("llama")
     drafter = LookaheadDrafter(model, LookaheadConfig())
-    policy = TreePolicy(LookaheadConfig(), Estimates())
+    policy = Planner.lookahead(LookaheadConfig(), Estimates())
     view = RowView(0, torch.tensor([9, 1, 2, 9, 1, 3, 9, 1, 4, 9, 1]), 1)  # "9 1" was followed by 4, 3 and 2
     drafter.prefill(view)
     offer = drafter.offer(view)
@@ -407,7 +407,7 @@ def test_tokens_per_round_count_every_round_that_had_candidates_verified_or_not(
     redesign): a 1-token round there lowers the average. Rows with nothing offered are not counted."""
     from hf_specdec.round import Proposal
 
-    policy = TreePolicy(LookaheadConfig(), Estimates())
+    policy = Planner.lookahead(LookaheadConfig(), Estimates())
     views = [RowView(r, torch.arange(10), 32) for r in range(2)]
     offers = [Offer(candidates=(Candidate((5, 6), (SourceKind.HISTORY, 2)),)), Offer()]
     plans = policy.plan(views, offers)
@@ -433,7 +433,7 @@ def test_the_regret_account_is_carried_to_the_next_call_at_half():
         estimates.forward.observe(1, 0.2)
         estimates.forward.observe(8, 0.21)
         estimates.regret.lost, estimates.regret.plain_seconds = earlier_lost, earlier_plain
-        policy = TreePolicy(LookaheadConfig(), estimates)  # a new call: start(max_regret=0.015)
+        policy = Planner.lookahead(LookaheadConfig(), estimates)  # a new call: start(max_regret=0.015)
         views = [RowView(0, torch.arange(10), 64)]
         offers = [Offer(candidates=(Candidate((5, 6, 7), (SourceKind.HISTORY, 3)),))]
         return policy, lambda: policy.plan(views, offers)[0]
@@ -461,7 +461,7 @@ def test_no_lookahead_round_can_lose_more_than_the_regret_budget_where_forwards_
     estimates = Estimates()
     for n, seconds in table.items():
         estimates.forward.observe(n, seconds)
-    policy = TreePolicy(LookaheadConfig(), estimates)
+    policy = Planner.lookahead(LookaheadConfig(), estimates)
     view = RowView(0, torch.arange(10), 200)
     offer = Offer(candidates=(Candidate(tuple(range(20, 36)), (SourceKind.HISTORY, 4)),
                               Candidate(tuple(range(40, 48)), (SourceKind.HISTORY_ALT, 4))))
@@ -474,7 +474,7 @@ def test_no_lookahead_round_can_lose_more_than_the_regret_budget_where_forwards_
         guessed += inputs > 1
         policy.observe([RoundOutcome(proposal, accepted=(), next_token=9, emitted=(9,), start_length=10,
                                      forward_tokens=inputs, verify_time=estimates.forward.estimate(inputs))])
-        assert policy.regret.lost <= policy.config.max_regret * policy.regret.plain_seconds + 1e-9
+        assert policy.regret.lost <= policy.settings.max_regret * policy.regret.plain_seconds + 1e-9
     assert guessed >= 3  # it kept probing, within the budget
 def test_each_candidate_of_a_source_is_judged_and_fades_its_counts_once():
     """Two pool n-grams [5, 6] and [5, 7] share their first node; the target keeps 5, 6. Each candidate is
@@ -482,7 +482,7 @@ def test_each_candidate_of_a_source_is_judged_and_fades_its_counts_once():
     missed, and the counts fade once per candidate judged (twice a round here)."""
     from hf_specdec.layout import merge_candidates
 
-    policy = TreePolicy(LookaheadConfig(), Estimates())
+    policy = Planner.lookahead(LookaheadConfig(), Estimates())
     proposal = merge_candidates([Candidate((5, 6), (SourceKind.POOL, 0)), Candidate((5, 7), (SourceKind.POOL, 0))], max_nodes=8)
     outcome = RoundOutcome(proposal, accepted=(0, 1), next_token=9, emitted=(5, 6, 9), start_length=10,
                            forward_tokens=4, verify_time=0.1)

@@ -5,8 +5,8 @@ import dataclasses
 import torch
 
 from hf_specdec.costmodel import Estimates, ForwardCost
-from hf_specdec.config import SpecConfig
-from hf_specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy
+from hf_specdec.config import LookaheadConfig, SpecConfig
+from hf_specdec.policy import DRAFT, LEADING_LOOKUP, LOOKUP, FixedPolicy, HeuristicPolicy, Planner, make_policy
 from hf_specdec.round import Candidate, Offer, Proposal, RoundOutcome, RowView, Source, SourceKind
 
 OFFER = Offer(model_tokens=64)
@@ -62,7 +62,7 @@ def test_heuristic_is_transformers_rule_without_the_empty_round_quirk():
 
 
 def test_adaptive_measures_a_plain_step_first():
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     assert plan(policy, 10, OFFER).is_plain
     observe(policy, outcome(Proposal(), 0, 0.1))
     assert plan(policy, 10, OFFER).model_tokens == SpecConfig().num_draft_tokens
@@ -77,14 +77,14 @@ def steep(n):
 
 
 def test_adaptive_long_drafts_when_cheap_and_accepted():
-    policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+    policy = Planner.speculative(SpecConfig(confidence_stop=False))
     feed(policy, 30, 8, 8, t_draft=0.01, t_verify=flat, plain_step=0.1)
     assert plan(policy, 12, OFFER).model_tokens >= 8
 
 
 def test_adaptive_shorter_drafts_when_verification_is_expensive():
     config = SpecConfig(confidence_stop=False)  # compare the k chosen from average acceptance alone
-    cheap, costly = AdaptivePolicy(config), AdaptivePolicy(config)
+    cheap, costly = Planner.speculative(config), Planner.speculative(config)
     feed(cheap, 30, 6, 4, t_draft=0.02, t_verify=flat, plain_step=0.1)
     feed(costly, 30, 6, 4, t_draft=0.02, t_verify=steep, plain_step=0.1)
     assert 0 < plan(costly, 12, OFFER).model_tokens < plan(cheap, 12, OFFER).model_tokens
@@ -92,7 +92,7 @@ def test_adaptive_shorter_drafts_when_verification_is_expensive():
 
 def test_adaptive_turns_off_when_it_does_not_pay_and_probes_later():
     config = SpecConfig(probe_interval=5, max_regret=1.0)  # a budget large enough for the probes
-    policy = AdaptivePolicy(config)
+    policy = Planner.speculative(config)
     feed(policy, 10, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # nothing accepted, draft half a step
     assert plan(policy, 12, OFFER).is_plain
     for _ in range(config.probe_interval):
@@ -115,7 +115,7 @@ def plain_rounds_until_probe(policy, most=10_000):
 def test_probes_back_off_and_stay_within_the_regret_budget():
     """A useless draft: each failed probe doubles the wait, and what probing loses stays under max_regret of the
     plain decoding time (here 3%)."""
-    policy = AdaptivePolicy(SpecConfig(probe_interval=4))
+    policy = Planner.speculative(SpecConfig(probe_interval=4))
     feed(policy, 1, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # one losing round: 0.15 s lost
     waits = []
     for _ in range(6):
@@ -134,7 +134,7 @@ def test_confident_rounds_run_longer_when_verification_is_cheap():
     """With confidence_stop the round length comes from the in-round rule: steep v(n) stops it sooner."""
     lengths = []
     for t_verify in (flat, steep):
-        policy = AdaptivePolicy(SpecConfig())
+        policy = Planner.speculative(SpecConfig())
         feed(policy, 30, 6, 5, t_draft=0.02, t_verify=t_verify, plain_step=0.1)
         round_plan = plan(policy, 16, OFFER)
         confidences = [0.9]
@@ -145,7 +145,7 @@ def test_confident_rounds_run_longer_when_verification_is_cheap():
 
 
 def test_confidence_stop():
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     feed(policy, 20, 6, 6, t_draft=0.02, t_verify=flat, plain_step=0.1, confidences=[0.99] * 6)
     rule = plan(policy, 12, OFFER).rule
     assert rule.keep_drafting([0.99])
@@ -154,7 +154,7 @@ def test_confidence_stop():
 
 def test_confidence_is_calibrated_by_what_the_target_kept():
     """A draft that is confident but wrong: its 0.95 comes to mean far less than 0.95."""
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     before = policy.rule().calibrated(0.95)
     feed(policy, 30, 4, 0, t_draft=0.02, t_verify=flat, plain_step=0.1, confidences=[0.95] * 4)
     assert before > 0.9 and policy.rule().calibrated(0.95) < 0.2
@@ -163,12 +163,12 @@ def test_confidence_is_calibrated_by_what_the_target_kept():
 def test_make_policy():
     assert isinstance(make_policy(SpecConfig(policy="fixed")), FixedPolicy)
     assert isinstance(make_policy(SpecConfig(policy="heuristic")), HeuristicPolicy)
-    assert isinstance(make_policy(SpecConfig()), AdaptivePolicy)
+    assert isinstance(make_policy(SpecConfig()), Planner)
 
 
 def test_lookup_tokens_follow_their_measured_acceptance():
     """Prompt-lookup tokens are appended while their learned acceptance pays for the measured verify cost."""
-    good, bad = AdaptivePolicy(SpecConfig()), AdaptivePolicy(SpecConfig())
+    good, bad = Planner.speculative(SpecConfig()), Planner.speculative(SpecConfig())
     for policy, kept in ((good, 8), (bad, 0)):
         feed(policy, 20, 4, 4, t_draft=0.02, t_verify=steep, plain_step=0.1)
         for _ in range(20):  # rounds whose 4 draft tokens were kept, and `kept` of 8 lookup tokens after them
@@ -181,20 +181,20 @@ def test_lookup_tokens_follow_their_measured_acceptance():
 def test_lookup_only_round_when_the_history_beats_the_draft():
     """An edit that copies its input: once lookup tokens prove always right, a round verifies the history's
     continuation without a draft forward, although the draft is good too."""
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     feed(policy, 10, 4, 4, t_draft=0.01, t_verify=flat, plain_step=0.1)
     offer = Offer(candidates=(Candidate(tuple(range(20)), (SourceKind.LOOKUP, 0)),), model_tokens=64)
     assert plan(policy, 16, offer).model_tokens > 0  # the lookup's acceptance is unknown yet: its prior is 0.5
     for _ in range(10):
         observe(policy, outcome(Proposal.chain(range(10), [Source(SourceKind.LOOKUP, 0, j) for j in range(1, 11)]), 10, 0.1))
     round_plan = plan(policy, 16, offer)
-    assert round_plan.model_tokens == 0 and round_plan.candidates[0].tokens == tuple(range(policy.LEADING_LOOKUP))
+    assert round_plan.model_tokens == 0 and round_plan.candidates[0].tokens == tuple(range(LEADING_LOOKUP))
 
 
 def test_keep_drafting_when_a_draft_step_is_free_and_verifying_one_more_is_free():
     """A drafter whose steps cost nothing measurable (draft_time 0, or a coarse clock) on flat verify costs:
     a confident next token is free, so it is worth drafting; the rule says so instead of dividing by zero."""
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     feed(policy, 5, 4, 4, t_draft=0.0, t_verify=flat, plain_step=0.1)
     rule = plan(policy, 16).rule
     assert rule.t_draft == 0.0
@@ -204,7 +204,7 @@ def test_keep_drafting_when_a_draft_step_is_free_and_verifying_one_more_is_free(
 def test_a_batch_round_grows_to_at_most_twice_the_largest_measured_forward():
     """At B = 4 after a plain step (4 inputs measured) a flat extrapolation would make any k look free; the
     first drafting round reads at most 2 x 4 inputs (k = 1), the next at most twice what that measured."""
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     views = [RowView(r, torch.arange(10), 64) for r in range(4)]
     assert all(p.is_plain for p in policy.plan(views, [OFFER] * 4))
     policy.observe([outcome(Proposal(), 0, 0.1) for _ in range(4)])  # forward_tokens 1 per row: 4 inputs
@@ -219,14 +219,14 @@ def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_r
     Drafting k = 3 saves 0.1 - 0.18 / E a token; 64 tokens left cannot repay it (plain steps, and no probe
     that would pay it), 4096 can. Once the draft has read the prompts (setup 0), drafting pays again."""
     def run(remaining, setup_tokens):
-        policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+        policy = Planner.speculative(SpecConfig(confidence_stop=False))
         policy.estimates.forward.observe(8, 0.10)  # a plain step of 8 rows
         for n in (16, 24, 32, 40):
             policy.estimates.forward.observe(n, 0.12)
         policy.estimates.draft_step.observe(1, 0.02)
         policy.observe_prefill(tokens=8 * 200, seconds=16.0)  # the target read the prompts in 16 s
         policy.estimates.draft_read.ratio.update(1.0)  # and the draft reads them as slowly: 16 s
-        policy.draft.observe_slots([(i, True) for i in (1, 2, 3)] * 20)  # a well-accepted draft
+        policy.learned(DRAFT).observe_slots([(i, True) for i in (1, 2, 3)] * 20)  # a well-accepted draft
         views = [RowView(r, torch.arange(201), remaining) for r in range(8)]
         offers = [Offer(model_tokens=remaining, setup_tokens=setup_tokens)] * 8
         plans = [policy.plan(views, offers) for _ in range(60)]  # long enough to reach a probe
@@ -240,7 +240,7 @@ def test_a_draft_that_has_not_read_the_prompt_drafts_only_when_the_tokens_left_r
 def test_the_draft_prompt_read_is_learned_as_a_share_of_the_target_prefill():
     """The target read 2 x 100 tokens in 2 s; the draft read them in 1 s (each row's share 0.5 s): a share of 0.5,
     which prices a later read of a 4 s prefill at 2 s."""
-    policy = AdaptivePolicy(SpecConfig())
+    policy = Planner.speculative(SpecConfig())
     views = [RowView(r, torch.arange(101), 64) for r in range(2)]
     policy.observe_prefill(tokens=200, seconds=2.0)
     policy.estimates.forward.observe(2, 0.1)
@@ -261,10 +261,10 @@ def test_a_cold_first_read_cannot_switch_speculation_off_for_good():
     pays."""
     estimates = Estimates()
     estimates.draft_read.prior = 1 / 3  # the draft's share of the target's parameters (0.5B / 1.5B)
-    short = AdaptivePolicy(SpecConfig(), estimates)
+    short = Planner.speculative(SpecConfig(), estimates)
     short.observe_prefill(tokens=5, seconds=0.06)
     assert short.estimates.draft_read.observe(0.53, 0.06) is False and estimates.draft_read.cold == 1
-    policy = AdaptivePolicy(SpecConfig(), estimates)  # the next call, same memory
+    policy = Planner.speculative(SpecConfig(), estimates)  # the next call, same memory
     policy.observe_prefill(tokens=300, seconds=0.9)
     for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
         policy.estimates.forward.observe(n, seconds)
@@ -282,7 +282,7 @@ def test_a_read_priced_out_of_drafting_is_measured_again_by_a_later_call():
     estimates.draft_read.observe(draft_seconds=0.8, target_seconds=1.0)  # 0.8: under 3x the prior, learned
     calls = []
     for _ in range(6):
-        policy = AdaptivePolicy(SpecConfig(), estimates)
+        policy = Planner.speculative(SpecConfig(), estimates)
         policy.observe_prefill(tokens=300, seconds=1.0)
         for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
             policy.estimates.forward.observe(n, seconds)
@@ -297,7 +297,7 @@ def test_a_read_priced_out_of_drafting_is_measured_again_by_a_later_call():
 
 def test_planning_is_a_query():
     """``plan`` changes no state: the same inputs give the same plans, and the estimates are untouched."""
-    policy = AdaptivePolicy(SpecConfig(probe_interval=1))
+    policy = Planner.speculative(SpecConfig(probe_interval=1))
     feed(policy, 3, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # a draft that does not pay
     policy.regret.plain_seconds = 100.0  # earlier plain steps: a probe is affordable
     observe(policy, outcome(Proposal(), 0, 0.1, plan(policy, 12)))
@@ -312,13 +312,13 @@ def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size()
     would seem to repay the draft's 5 s prompt read twice over (``setup_margin``) within 128 tokens; priced at
     0.1 s it does not (plain steps), and within 256 tokens it does."""
     def run(remaining):
-        policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+        policy = Planner.speculative(SpecConfig(confidence_stop=False))
         for n, seconds in {4: 0.10, 8: 0.20, 16: 0.22, 32: 0.25}.items():
             policy.estimates.forward.observe(n, seconds)
         policy.estimates.draft_step.observe(4, 0.05)
         policy.observe_prefill(tokens=8 * 63, seconds=5.04)  # the target read the prompts in 5.04 s
         policy.estimates.draft_read.ratio.update(1.0)  # the draft as slowly: 5.04 s
-        policy.draft.observe_slots([(i, True) for i in range(1, 9)] * 20)
+        policy.learned(DRAFT).observe_slots([(i, True) for i in range(1, 9)] * 20)
         views = [RowView(r, torch.arange(64), remaining) for r in range(8)]
         plans = policy.plan(views, [Offer(model_tokens=remaining, setup_tokens=63)] * 8)
         assert policy.price(8).t_draft == 0.1
@@ -335,7 +335,7 @@ def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
     draft step by rows (48 / 52 / 95 / 106 ms over 1 / 2 / 4 / 8 rows, a dynamic-int8 0.5B draft on an Intel Xeon
     with AMX): priced at 0.115 s over 8 rows, drafting does not repay the read (plain steps)."""
     def run(draft_rows):
-        policy = AdaptivePolicy(SpecConfig(confidence_stop=False))
+        policy = Planner.speculative(SpecConfig(confidence_stop=False))
         for n, seconds in {1: 0.186, 8: 0.193, 16: 0.20, 32: 0.214, 64: 0.24}.items():
             policy.estimates.forward.observe(n, seconds)
         policy.estimates.draft_step.observe(1, 0.052)
@@ -343,7 +343,7 @@ def test_a_batch_draft_step_is_priced_by_the_profiled_draft_step_by_rows():
             policy.estimates.draft_rows = ForwardCost.from_table(draft_rows)
         policy.observe_prefill(tokens=8 * 63, seconds=5.04)  # the target read the prompts in 5.04 s
         policy.estimates.draft_read.ratio.update(1.0)  # the draft as slowly: 5.04 s
-        policy.draft.observe_slots([(i, i < 4) for i in range(1, 5)] * 20)
+        policy.learned(DRAFT).observe_slots([(i, i < 4) for i in range(1, 5)] * 20)
         views = [RowView(r, torch.arange(64), 160) for r in range(8)]
         plans = policy.plan(views, [Offer(model_tokens=160, setup_tokens=63)] * 8)
         return round(policy.price(8).t_draft, 4), {p.model_tokens for p in plans}
@@ -358,13 +358,13 @@ def test_a_batch_drafts_one_k_for_every_row_without_confidence_stops_or_lookup()
     confidence stop, no lookup rounds or tails (the draft steps until its longest row stops and the forward is
     padded to its widest row; one k measured faster at every B > 1)."""
     def plans(rows, lookup):
-        policy = AdaptivePolicy(SpecConfig())  # confidence_stop and history_lookup on (the defaults)
+        policy = Planner.speculative(SpecConfig())  # confidence_stop and history_lookup on (the defaults)
         for n, seconds in {1: 0.2, 2: 0.2, 4: 0.2, 8: 0.2, 12: 0.21, 16: 0.22, 20: 0.23, 24: 0.24, 32: 0.3,
                            64: 0.6}.items():
             policy.estimates.forward.observe(n, seconds)
         policy.estimates.draft_step.observe(rows, 0.02)
-        policy.draft.observe_slots([(i, i < 6) for i in range(1, 7)] * 20)  # 5 tokens kept, the 6th not
-        policy.lookup.observe_slots([(i, True) for i in range(1, 5)] * 40)  # lookup continuations kept
+        policy.learned(DRAFT).observe_slots([(i, i < 6) for i in range(1, 7)] * 20)  # 5 tokens kept, the 6th not
+        policy.learned(LOOKUP).observe_slots([(i, True) for i in range(1, 5)] * 40)  # lookup continuations kept
         candidates = (Candidate((5, 6, 7, 8), (SourceKind.LOOKUP, 0)),) if lookup else ()
         views = [RowView(r, torch.arange(32), 64) for r in range(rows)]
         return policy.plan(views, [Offer(model_tokens=64, candidates=candidates)] * rows)
@@ -391,7 +391,7 @@ def test_a_profile_that_overprices_long_forwards_is_measured_once_speculation_ha
     the largest measured one is priced as the measured curve continues (what it could lose fits in the budget),
     the round runs past it, and that measurement replaces the seed instead of averaging with it."""
     seeded = {n: (0.1 if n <= 4 else 0.2) for n in (1, 2, 3, 4, 6, 8, 16, 32)}
-    policy = AdaptivePolicy(SpecConfig(), Estimates(forward=ForwardCost.from_table(seeded, prior=True),
+    policy = Planner.speculative(SpecConfig(), Estimates(forward=ForwardCost.from_table(seeded, prior=True),
                                                     draft_step=ForwardCost.from_table({1: 0.02}, prior=True)))
     assert rounds_length(plan(policy, 16).rule) == 3  # no credit yet: 5 inputs priced by the profile
     feed(policy, 10, 3, 3, t_draft=0.02, t_verify=flat, confidences=[0.95] * 3)  # 4 tokens for 0.16 s, plain 0.4 s
@@ -401,3 +401,44 @@ def test_a_profile_that_overprices_long_forwards_is_measured_once_speculation_ha
     assert rounds_length(plan(policy, 16).rule) == 3
     observe(policy, outcome(chain(5), 5, 0.1))  # 6 inputs measured at one plain step
     assert policy.estimates.forward.estimate(6) == 0.1 and not policy.estimates.forward.seeded(6)
+
+
+def test_a_copying_edit_verifies_the_lookup_alone_when_drafting_does_not_pay():
+    """One planner for every source: a draft the target never agrees with (drafting does not pay) beside a
+    prompt-lookup continuation the target always keeps. Before the planner was one, such rounds were plain
+    steps; now the trie of ready-made candidates runs on its own rate, sized within the regret budget."""
+    policy = Planner.speculative(SpecConfig())
+    feed(policy, 6, 4, 0, t_draft=0.05, t_verify=steep, plain_step=0.1)  # every draft token rejected
+    for _ in range(10):
+        observe(policy, outcome(Proposal.chain(range(6), [Source(SourceKind.LOOKUP, 0, j) for j in range(1, 7)]),
+                                6, steep(7)))
+    offer = Offer(candidates=(Candidate(tuple(range(20)), (SourceKind.LOOKUP, 0)),), model_tokens=64)
+    assert plan(policy, 64, Offer(model_tokens=64)).why.startswith("drafting does not pay")
+    round_plan = plan(policy, 64, offer)
+    assert round_plan.model_tokens == 0 and len(round_plan.candidates[0].tokens) >= 2
+
+
+def test_every_planner_carries_its_regret_account_to_the_next_call_at_half():
+    """One regret account, one rule for both drafters: a new call starts with half of the earlier calls'."""
+    for make in (lambda e: Planner.speculative(SpecConfig(), e), lambda e: Planner.lookahead(LookaheadConfig(), e)):
+        estimates = Estimates()
+        estimates.regret.lost, estimates.regret.plain_seconds = -4.0, 20.0
+        planner = make(estimates)
+        assert (planner.regret.lost, planner.regret.plain_seconds) == (-2.0, 10.0)
+        assert planner.regret is estimates.regret
+
+
+def test_planning_ready_made_candidates_is_a_query():
+    """A lookahead round's plan creates no estimator, moves no account: a source never observed is priced from
+    its prior without being stored."""
+    estimates = Estimates()
+    for n, seconds in ((1, 0.1), (8, 0.1), (16, 0.11)):
+        estimates.forward.observe(n, seconds)
+    estimates.regret.plain_seconds = 100.0
+    policy = Planner.lookahead(LookaheadConfig(), estimates)
+    offers = [Offer(candidates=(Candidate((5, 6, 7), (SourceKind.HISTORY, 3)), Candidate((5, 8), (SourceKind.POOL, 0))))]
+    views = [RowView(0, torch.arange(10), 32)]
+    before = (set(estimates.acceptance), estimates.regret.lost, estimates.regret.plain_seconds, dict(estimates.emas))
+    plans = [policy.plan(views, offers) for _ in range(3)]
+    assert plans[0] == plans[1] == plans[2] and plans[0][0].candidates
+    assert (set(estimates.acceptance), estimates.regret.lost, estimates.regret.plain_seconds, dict(estimates.emas)) == before

@@ -38,7 +38,7 @@ from hf_specdec import integration, loop
 from hf_specdec import verify as verify_module
 from hf_specdec.costmodel import Estimates
 from hf_specdec.drafters.base import PerRow
-from hf_specdec.policy import AdaptivePolicy
+from hf_specdec.policy import Planner
 from hf_specdec.round import Offer, Proposal, Source, SourceKind
 from hf_specdec.stats import last_spec_stats
 from hf_specdec.verify import Verdict
@@ -310,7 +310,7 @@ def seeded_adaptive(monkeypatch):
         for n in range(1, 40):
             seeded.forward.observe(n, 1.0)
         seeded.draft_step.observe(1, 0.01)
-        return AdaptivePolicy(config, seeded)
+        return Planner.speculative(config, seeded)
 
     monkeypatch.setattr(integration, "make_policy", make_policy)
 

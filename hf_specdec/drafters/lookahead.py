@@ -4,7 +4,7 @@ One target forward per round does both jobs (Fu et al. 2024): a Jacobi iteration
 branch, the proposal's extra inputs) and the verification of every candidate (verification branch, its trie),
 with the 4-D mask and position ids of ``layout.py``. The shared loop runs that forward, verifies the trie and
 keeps the accepted path's KV exactly as for a chain; this drafter offers candidates, lays out the window the
-policy sized (``policy.TreePolicy``) and learns the window's new guesses from each round's outcome.
+policy sized (``policy.Planner``) and learns the window's new guesses from each round's outcome.
 
 What differs from the published algorithm (LADE):
 
@@ -14,7 +14,7 @@ What differs from the published algorithm (LADE):
 - the target's own top choices at every position a forward computed logits for are recycled as candidates
   (Token Recycling, Luo et al. 2025: a table of the top choices after each token, chained);
 - the window is re-aligned to what was accepted (it shifts by the number of tokens committed, not by one);
-- the round is sized by its expected rate, not fixed W, N, G (``policy.TreePolicy``);
+- the round is sized by its expected rate, not fixed W, N, G (``policy.Planner``);
 - the window's KV is not kept, the accepted path's KV is (no recomputation);
 - what one call learns is kept for the next (``memory.LookaheadMemory``).
 """
