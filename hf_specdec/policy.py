@@ -523,8 +523,9 @@ class Planner:
         budget, bounds the loss of every call, not only its average (docs/benchmarks.md: one round over 24
         inputs on a CPU without bf16 units lost more than a whole 64-token call's budget). Where t(n) is flat
         the first sizes are affordable after a few plain steps, and every round that pays widens what the next
-        may try. 1: nothing is affordable, a plain step earns the budget back."""
-        allowance, step = price.allowance, price.step() or 0.0
+        may try. 1: nothing is affordable, a plain step earns the budget back. A round that cannot lose (t(n) no
+        more than t(1), at worst) is affordable even when the account is spent (say, by a draft model's misses)."""
+        allowance, step = max(0.0, price.allowance), price.step() or 0.0
 
         def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
             return (price(n, Bound.WORST) or 0.0) - step > allowance

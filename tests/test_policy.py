@@ -442,3 +442,19 @@ def test_planning_ready_made_candidates_is_a_query():
     plans = [policy.plan(views, offers) for _ in range(3)]
     assert plans[0] == plans[1] == plans[2] and plans[0][0].candidates
     assert (set(estimates.acceptance), estimates.regret.lost, estimates.regret.plain_seconds, dict(estimates.emas)) == before
+
+
+def test_a_round_that_cannot_lose_is_affordable_with_the_account_spent():
+    """The regret account is spent (a draft's misses): a round of candidates whose worst case costs no more than
+    a plain step (flat t(n)) still runs; where t(n) rises it waits for plain steps to earn the budget back."""
+    def first_plan(costs):
+        estimates = Estimates()
+        for n, seconds in costs.items():
+            estimates.forward.observe(n, seconds)
+        estimates.regret.lost, estimates.regret.plain_seconds = 2.0, 10.0  # 2 s lost, 0.3 s allowed
+        policy = Planner.lookahead(LookaheadConfig(), estimates)
+        offer = Offer(candidates=(Candidate((5, 6, 7), (SourceKind.HISTORY, 4)),))
+        return policy.plan([RowView(0, torch.arange(10), 32)], [offer])[0]
+
+    assert first_plan({1: 0.1, 4: 0.1, 8: 0.1}).candidates
+    assert first_plan({1: 0.1, 4: 0.2, 8: 0.3}).is_plain
