@@ -333,3 +333,60 @@ def test_the_hf_specdec_pane_says_why_rounds_were_plain():
     (note,) = _notes("hf_specdec", {"spec": spec}, "adaptive")
     assert note == ("no draft in 14 of 40 rounds (12: draft prompt read not repaid: 0.90 s to read, ~0.70 s saved "
                     "over the 12 tokens left; 2: drafting does not pay: 3.1 tok/s expected, 4.0 plain)")
+
+
+@pytest.fixture
+def transformers_warnings():
+    """What transformers logs at WARNING from here on (its library logger does not propagate to pytest's caplog).
+    ``warning_once`` forgets what it already said, so that a warning an earlier test caused shows again."""
+    import io
+    import logging
+
+    logging.Logger.warning_once.cache_clear()
+    text = io.StringIO()
+    handler = logging.StreamHandler(text)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        yield text
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+        logging.Logger.warning_once.cache_clear()
+
+
+DEPRECATION = "Passing `generation_config` together with generation-related arguments"
+
+
+def test_the_assisted_pane_logs_no_generation_config_deprecation(transformers_warnings):
+    """transformers' assisted generation drafts with ``generate(generation_config=..., max_new_tokens=...)`` and
+    warns about that call of its own; the demo's start-up (warming the assisted pane up) and its runs must not show
+    it. The same call outside the harness does warn, so the capture could fail."""
+    import logging
+
+    loaded = app.ModelCache(app.ModelChoice(tiny=True), warm_modes=["hf_assisted"], warm_prompt="def f():").get("none")
+    assert not [n for n in loaded.notes if "warm-up" in n]
+    logging.Logger.warning_once.cache_clear()
+    run_all(app.ModelCache(app.ModelChoice(tiny=True)), ["assisted"], max_new_tokens=8)
+    assert DEPRECATION not in transformers_warnings.getvalue()
+
+    logging.Logger.warning_once.cache_clear()
+    harness = loaded.harness
+    ids = harness.encode("def f():").input_ids
+    type(harness.target).generate(harness.target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                  do_sample=False, assistant_model=harness.draft)
+    assert DEPRECATION in transformers_warnings.getvalue()
+
+
+def test_only_the_draft_calls_deprecation_is_dropped():
+    """The filter drops the warning naming transformers' draft-call arguments only; a caller's own stays."""
+    import logging
+
+    from hf_specdec.harness.modes import _DEPRECATION_PREFIX, _DraftCallDeprecation
+
+    def passes(message):
+        return _DraftCallDeprecation().filter(logging.LogRecord("t", logging.WARNING, __file__, 0, message, None, None))
+
+    assert not passes(_DEPRECATION_PREFIX + "({'use_cache', 'max_new_tokens', 'min_new_tokens'}) is deprecated")
+    assert not passes(_DEPRECATION_PREFIX + "({'max_new_tokens', 'min_new_tokens'}) is deprecated")
+    assert passes(_DEPRECATION_PREFIX + "({'temperature', 'max_new_tokens'}) is deprecated")
+    assert passes("Setting `pad_token_id` to `eos_token_id`:2 for open-end generation.")

@@ -25,6 +25,8 @@ the per-instance override that ``hf_specdec.enable`` installs. hf_specdec's mode
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -92,9 +94,52 @@ def _assistant_tokens(draft, k: int | None) -> Iterator[None]:
             setattr(config, key, value)
 
 
+# transformers' assisted generation (5.x) drafts every round with ``assistant_model.generate(generation_config=...,
+# min_new_tokens=..., max_new_tokens=..., use_cache=...)`` (candidate_generator.py), and its own
+# ``_prepare_generation_config`` answers that call with "Passing `generation_config` together with generation-related
+# arguments=({...}) is deprecated" (once per process). The caller it addresses is transformers itself, not the demo
+# or the harness, whose calls pass no generation_config: nothing a user could change.
+_TRANSFORMERS_GENERATE_LOGGER = "transformers.generation.utils"
+_DEPRECATION_PREFIX = "Passing `generation_config` together with generation-related arguments="
+_DRAFT_CALL_ARGUMENTS = frozenset({"min_new_tokens", "max_new_tokens", "use_cache"})  # what the draft call adds
+
+
+class _DraftCallDeprecation(logging.Filter):
+    """Drops that one warning when it names only the arguments of transformers' own draft call (above); the same
+    warning about a caller's own arguments passes.
+
+    >>> quiet = _DraftCallDeprecation()
+    >>> def record(message):
+    ...     return logging.LogRecord("transformers.generation.utils", logging.WARNING, __file__, 0, message, None, None)
+    >>> quiet.filter(record(_DEPRECATION_PREFIX + "({'use_cache', 'max_new_tokens', 'min_new_tokens'}) is deprecated"))
+    False
+    >>> quiet.filter(record(_DEPRECATION_PREFIX + "({'temperature', 'max_new_tokens'}) is deprecated"))
+    True
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(_DEPRECATION_PREFIX):
+            return True
+        named = set(re.findall(r"'(\w+)'", message.split(")", 1)[0]))
+        return not named or not named <= _DRAFT_CALL_ARGUMENTS
+
+
+@contextlib.contextmanager
+def _without_draft_call_deprecation() -> Iterator[None]:
+    """While transformers' assisted generation runs, drop the deprecation warning it raises about its own draft
+    calls (``_DraftCallDeprecation``)."""
+    logger, quiet = logging.getLogger(_TRANSFORMERS_GENERATE_LOGGER), _DraftCallDeprecation()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def _assisted(k: int | None) -> Callable:
     def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
-        with _assistant_tokens(h.draft, k):
+        with _assistant_tokens(h.draft, k), _without_draft_call_deprecation():
             return type(h.target).generate(h.target, **kwargs, assistant_model=h.draft)
 
     return call
