@@ -18,8 +18,9 @@ a real first call. Modes, interleaved per prompt (the order rotated by one each 
   is never slower than either dtype alone.
 - ``plain_again``: ``plain`` a second time (A/A): how far two runs of the same code differ here.
 - ``fresh``: as a script that calls ``generate`` once: ``enable(model)`` made anew for each prompt, so the call
-  runs on the fresh ``SpeculativeMemory`` that ``enable`` gives (issue 27, case a; today the same as passing
-  ``speculative_memory=SpeculativeMemory()``, and it follows ``enable`` if ``enable`` ever seeds its memory).
+  runs on the fresh ``SpeculativeMemory`` that ``enable`` gives (issue 27, case a), which that first call seeds
+  from the cached hardware profile (its file reads are inside the timed call; each call's stats record where
+  its first estimates came from, ``estimates_from``).
 - ``after_short``: one ``enable(model)`` for the whole run; its ``model.speculative_memory`` is first used by a
   short call (``--short-tokens`` 8 tokens of ``--short-prompt``, as a demo, notebook or smoke test makes) right
   before this mode's first prompt, then by every prompt in turn (case b). The short call is timed and reported
@@ -99,12 +100,14 @@ def jsonable(value):
 
 def stats_record(stats) -> dict | None:
     """What the issue asks of a call's ``last_spec_stats``: rounds, drafted, accepted, rounds with speculation
-    off, and ``plain_reasons`` where the stats object has it (read with getattr: not every commit has it)."""
+    off, where its first estimates came from, and ``plain_reasons`` where the stats object has them (read with
+    getattr: not every commit has them)."""
     if stats is None:
         return None
     record = {name: getattr(stats, name, None) for name in
               ("rounds", "forwards", "new_tokens", "drafted", "accepted", "rounds_spec_off", "fell_back",
-               "draft_forwards", "draft_setup_time_s", "draft_time_s", "verify_time_s", "prefill_time_s")}
+               "draft_forwards", "draft_setup_time_s", "draft_time_s", "verify_time_s", "prefill_time_s",
+               "estimates_from", "estimates_why")}
     record["package"] = type(stats).__module__.split(".")[0]  # hf_specdec or hf_specdec_old: which code ran
     record["mean_accepted_length"] = getattr(stats, "mean_accepted_length", None)
     hist = getattr(stats, "draft_length_hist", None)
@@ -258,6 +261,11 @@ def summarize(records, modes, baseline_modes):
             for key in ("rounds", "drafted", "accepted", "rounds_spec_off"):
                 entry[key] = sum(s.get(key) or 0 for s in stats)
             entry["calls_never_drafted"] = sum(1 for s in stats if not s.get("drafted"))
+            origins: dict[str, int] = {}  # where each call's first estimates came from (commits that record it)
+            for s in stats:
+                origin = s.get("estimates_from") or "not recorded"
+                origins[origin] = origins.get(origin, 0) + 1
+            entry["first_estimates"] = origins
             if any("plain_reasons" in s for s in stats):  # summed over the prompts (commits that record them)
                 reasons: dict[str, int] = {}
                 for s in stats:
@@ -295,18 +303,21 @@ def markdown(report) -> str:
              f"fastest plain dtype per prompt: {s['fastest_plain']['tok_s']:.2f} tok/s "
              f"({', '.join(f'{m} {n}' for m, n in s['fastest_plain']['dtype_count'].items())} prompts)", "",
              "| mode | tok/s | speedup vs fastest plain dtype | worst prompt | token-identical | rounds spec off / "
-             "rounds | calls never drafted | bars |",
-             "|---|---|---|---|---|---|---|---|"]
+             "rounds | calls never drafted | first estimates (calls) | bars |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode in report["modes"]:
         e = s[mode]
         off = f"{e['rounds_spec_off']}/{e['rounds']}" if "rounds" in e else "–"
         never = str(e["calls_never_drafted"]) if "calls_never_drafted" in e else "–"
+        origins = ", ".join(f"{kind} {count}" for kind, count in e["first_estimates"].items()) \
+            if "first_estimates" in e else "–"
         bar = report["bars"].get(mode)
         verdict = "–" if bar is None else ("PASS" if bar["pass"] else "FAIL: " + ", ".join(
             k for k, ok in bar["checks"].items() if not ok))
         extra = f" (A/A: {e['vs_plain']:.3f}x plain)" if "vs_plain" in e else ""
         lines.append(f"| {mode} | {e['tok_s']:.2f} | {e['speedup']:.3f}x{extra} | {e['worst_prompt']:.3f}x "
-                     f"({e['worst_prompt_id']}) | {e['identical_to_plain']} | {off} | {never} | {verdict} |")
+                     f"({e['worst_prompt_id']}) | {e['identical_to_plain']} | {off} | {never} | {origins} | "
+                     f"{verdict} |")
     for mode in report["modes"]:
         if s[mode].get("plain_reasons"):
             lines.append(f"\n{mode}: rounds with speculation off by reason: " + ", ".join(

@@ -30,7 +30,8 @@ from .drafters.draft_model import DraftModelDrafter
 from .drafters.lookahead import LookaheadDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
-from .memory import LookaheadMemory, SpeculativeMemory
+from .memory import LookaheadMemory, Seeding, SpeculativeMemory
+from .models.seeding import call_start_lookahead, call_start_speculative
 from .policy import make_policy
 from .stats import SpecStats, stats_holder
 from .support import check_supported
@@ -63,7 +64,8 @@ def speculative_generate(
 
     ``draft_model`` is a causal LM sharing the target's tokenizer, or any object implementing ``Drafter``.
     ``speculative_memory``: a ``SpeculativeMemory`` whose estimates for this draft the call starts from and
-    refines; None measures from scratch and keeps nothing.
+    refines (on its first call with this draft, seeded from the cached hardware profile: ``models.seeding``);
+    None measures from scratch and keeps nothing.
     """
     stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     if draft_model is None:
@@ -78,6 +80,7 @@ def speculative_generate(
         check_supported(draft_model, "speculative", rows, role="draft")
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
+    origin = call_start_speculative(speculative_memory, model, draft_model)  # seeds a memory's first call
     estimates = speculative_memory.estimates(draft_model) if speculative_memory is not None else Estimates()
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
@@ -93,7 +96,7 @@ def speculative_generate(
             PerRow(PromptLookupDrafter) if config.history_lookup else None,
         )
     return _run(model, inputs, drafter, make_policy(config, estimates), spec_streamer, generation_config,
-                "speculative")
+                "speculative", origin)
 
 
 def lookahead_generate(
@@ -110,7 +113,8 @@ def lookahead_generate(
     """``custom_generate`` callable: lookahead decoding (Jacobi window + n-gram pool), no draft model.
 
     ``lookahead_memory``: a ``LookaheadMemory`` to read and extend (earlier calls' text, measured costs and
-    acceptance); None starts from nothing and keeps nothing.
+    acceptance; on its first call, the target's t(n) from the cached hardware profile); None starts from nothing
+    and keeps nothing.
     """
     stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     config = _as_config(lookahead_config, LookaheadConfig, "lookahead_config")
@@ -120,10 +124,11 @@ def lookahead_generate(
     check_supported(model, "lookahead", input_ids.shape[0])
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
+    origin = call_start_lookahead(lookahead_memory, model)  # seeds a memory's first call
     memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
     drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None))
     return _run(model, inputs, drafter, make_policy(config, memory.estimates), spec_streamer, generation_config,
-                "lookahead")
+                "lookahead", origin)
 
 
 # -- shared preparation ---------------------------------------------------------------------------------------------
@@ -287,8 +292,9 @@ def _check_positions(input_ids, mask, positions, generation_config) -> None:
                          "generate(); drop position_ids=, or use plain generate().")
 
 
-def _run(model, inputs, drafter, policy, streamer, generation_config, mode):
-    stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]))
+def _run(model, inputs, drafter, policy, streamer, generation_config, mode, origin: Seeding):
+    stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]), estimates_from=origin.kind,
+                      estimates_why=origin.why)
     decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
     stats_holder(model).set(stats)
     if not generation_config.return_dict_in_generate:

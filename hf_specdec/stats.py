@@ -15,6 +15,9 @@ Definitions, used the same way by the loop, the eval harness and the demo:
   depth i.
 - c (cost ratio): mean time of one draft forward / mean time of one plain target step.
 - v(n): mean time of a target forward over n new tokens / the same for one token, on this hardware.
+- first estimates: where the costs and acceptance the call started from came from (``memory.EstimatesFrom``): the
+  hardware profile (a memory's first call, seeded from the cached profile), earlier calls on the same memory,
+  given costs, or priors (no profile: its first round is a plain step and its first draft length a guess).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .memory import EstimatesFrom
 from .round import RoundOutcome, SourceKind
 
 
@@ -58,6 +62,8 @@ class SpecStats:
     plain_wording: dict[str, str] = field(default_factory=dict)  # each kind's newest full wording
     cache_bytes: int = 0  # the target's KV cache at the end of the call (all rows, padding columns included)
     draft_cache_bytes: int = 0  # the drafter's own caches at the end of the call (a draft model's KV cache)
+    estimates_from: EstimatesFrom | None = None  # where the call's first estimates came from (``memory.Seeding``)
+    estimates_why: str = ""  # its wording: "seeded from the cached hardware profile: target t(n) in fp32 at ..."
 
     # -- recording ------------------------------------------------------------------------------------------
     def record_prefill(self, seconds: float, emitted: int) -> None:
@@ -162,8 +168,8 @@ class SpecStats:
                          for kind, count in self.plain_reasons.most_common())
 
     def explain(self) -> list[str]:
-        """Where the call's time went, and why rounds were plain, one line each (``hf-specdec generate -v``, the
-        demo)."""
+        """Where the call's time went, why rounds were plain and where its first estimates came from, one line
+        each (``hf-specdec generate -v``, the demo)."""
         lines = [f"time: prefill {self.prefill_time_s:.2f} s, verify {self.verify_time_s:.2f} s over {self.forwards} "
                  f"forwards, draft {self.draft_time_s:.2f} s over {self.draft_forwards} draft steps, draft prompt "
                  f"read {self.draft_setup_time_s:.2f} s, total {self.total_time_s:.2f} s"]
@@ -171,6 +177,9 @@ class SpecStats:
                   for kind, count in self.plain_reasons.most_common()]
         if self.fell_back:
             lines.append(f"fell back to plain decoding: {self.fell_back}")
+        if self.estimates_from is not None:
+            priors = self.estimates_from is EstimatesFrom.PRIORS
+            lines.append(f"first estimates: {f'priors ({self.estimates_why})' if priors else self.estimates_why}")
         return lines
 
     def summary(self) -> str:
@@ -180,6 +189,8 @@ class SpecStats:
             f"mean accepted length {self.mean_accepted_length:.2f}, acceptance {self.acceptance_rate:.0%}, "
             f"c={'n/a' if c is None else f'{c:.2f}'}, rounds with speculation off {self.rounds_spec_off}"
         )
+        if self.estimates_from is not None:
+            text += f", first estimates: {self.estimates_from}"
         return f"{text} ({self.why_plain()})" if self.plain_reasons else text
 
 

@@ -16,8 +16,9 @@ of one call (a row of the eval harness, the numbers of a demo pane, the summary 
 
 With a draft, the harness enables hf_specdec on the target (``hf_specdec.enable``) and seeds
 ``target.speculative_memory`` for the draft from the hardware profile (a given one, else the profile cache;
-never measured here: ``formats.seed_memory``), so the first speculative call starts sized; ``harness.memory_seed`` says whether it
-was seeded and with what. transformers' modes are untouched by this (they call the class's ``generate``).
+never measured here: ``formats.seed_memory``), as the first speculative call on a fresh memory would itself;
+``harness.memory_seed`` says whether it was seeded and with what. transformers' modes are untouched by this
+(they call the class's ``generate``).
 
 The offline cost probe of loaded models, ``measure_costs``, lives with the profile's timing
 (``hf_specdec.models.measure``); ``hf_specdec.harness`` hands it on.
@@ -110,6 +111,8 @@ class Harness:
             enable(target)  # the speculative memory to seed is hf_specdec's, kept on the target
             self.memory_seed = _seed_memory(target, draft, profile=profile, cache_dir=profile_cache_dir)
         self.forward_seconds = (self.memory_seed or {}).get("forward_seconds")  # the profile's t(n), or None
+        seeded = self.memory_seed is not None and self.memory_seed["seeded"]
+        self._lookahead_origin = target.lookahead_memory.origin if seeded else None  # what cold memories start from
         self.memory = self.cold_memory()
 
     def __enter__(self) -> "Harness":
@@ -144,7 +147,7 @@ class Harness:
         """A memory of no earlier call (no text, no acceptance) that knows this hardware's t(n) from the profile:
         what a cold lookahead call starts from, so it does not try forward sizes the profile already priced."""
         memory = LookaheadMemory()
-        memory.seed(self.forward_seconds)
+        memory.seed(self.forward_seconds, origin=self._lookahead_origin)
         return memory
 
     @property

@@ -10,8 +10,8 @@ memory, and the draft/target compatibility check.
 Rooms, from the ground up: ``bundles`` (offline bundles, the cache dir), ``hardware`` (dtypes, quantization,
 memory, the machine record), ``formats`` (format names), ``refs`` (references, configs, the one weight load),
 ``profile`` (the profile's data and keys), ``measure`` (timing), ``store`` (the profile cache, ``get_profile``),
-``choose`` (dtype and draft format), ``loading`` (``load_model``), ``compat`` and ``cli`` (``check``, ``tune``,
-``models``). Importing this package downloads nothing; bundles are fetched and converted on first use.
+``seeding`` (the decoding memories started from the cached profile), ``choose`` (dtype and draft format),
+``loading`` (``load_model``), ``compat`` and ``cli`` (``check``, ``tune``, ``models``). Importing this package downloads nothing; bundles are fetched and converted on first use.
 """
 
 from .bundles import BUNDLES, Bundle, BundleError, bundle_status, ensure_bundle, resolve_cache_dir
@@ -22,6 +22,7 @@ from .loading import LoadedModel, LoadInfo, load_model, load_pair
 from .measure import build_proxy, measure_costs, measure_format, measure_model
 from .profile import DeviceIdentity, FormatCost, HardwareProfile, ProfileKey, model_fingerprint
 from .refs import config_of, reference_kind, resolve_reference
+from .seeding import seed_lookahead, seed_speculative
 from .store import cached_costs, cached_profile, get_profile, read_profile_file
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -36,5 +37,5 @@ __all__ = [
     "choose_draft_format", "choose_dtype", "config_of", "ensure_bundle", "footprint_bytes", "format_load_args",
     "get_profile", "load_model", "load_pair", "machine_record", "measure_costs", "measure_format", "measure_model",
     "model_fingerprint", "model_format", "read_profile_file", "reference_kind", "resolve_cache_dir",
-    "resolve_device", "resolve_dtype", "resolve_reference",
+    "resolve_device", "resolve_dtype", "resolve_reference", "seed_lookahead", "seed_speculative",
 ]

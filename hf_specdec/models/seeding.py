@@ -1,0 +1,133 @@
+"""The speculative and lookahead memories started from the hardware profile, for the decoding core and the harness.
+
+A memory that holds nothing yet starts from priors: its first round is a plain step (the reference of every
+other size), the draft step is unknown so the first drafting round is not priced, the draft's prompt read is a
+share of parameters. The hardware profile already measured all three on this machine, so a memory is seeded from
+it once, before its first call: the target's t(n) in its loaded format, the draft's step by rows and its prompt
+read in its format (``seed_speculative``), or the target's t(n) alone (``seed_lookahead``). The costs come from a
+given ``HardwareProfile`` or from the profile cache (``store.cached_profile``: a few file reads, never a
+measurement). Seeding is a speed hint, never a reason to fail: a missing or damaged profile leaves the memory on
+its priors, and the returned ``memory.Seeding`` says why.
+
+    seeding = seed_speculative(model.speculative_memory, model, draft)
+    seeding.why   # "seeded from the cached hardware profile: target t(n) in bf16 at 10 sizes (t(1) 180.2 ms), ..."
+
+``speculative_generate`` / ``lookahead_generate`` call ``call_start_speculative`` / ``call_start_lookahead``:
+seed a memory on its first call, then hand the call its ``Seeding`` (what its ``SpecStats`` show).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..memory import EstimatesFrom, LookaheadMemory, Seeding, SpeculativeMemory
+from .formats import model_format
+from .profile import HardwareProfile
+from .store import cached_profile
+
+PROFILE_HINT = "hf-specdec tune, or load with dtype/quantize 'auto', measures it once"
+CACHED, GIVEN = "the cached hardware profile", "the given hardware profile"
+
+# what reading a profile for loaded models can raise: a cache that cannot be read, a model whose format or config
+# no profile knows; a seeding that meets one runs on priors and says so
+_PROFILE_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError)
+
+
+def read_share(profile: HardwareProfile, target_format: str, reads: dict[int, float] | None) -> float | None:
+    """The draft's prompt read over the target's prefill of as many tokens (the median over the lengths the
+    profile read), the prior of ``costmodel.ReadCost``; None without both."""
+    if not reads or target_format not in profile.target_formats:
+        return None
+    return statistics.median(seconds / profile.prefill_seconds(target_format, tokens)
+                             for tokens, seconds in reads.items())
+
+
+def profile_seeding(target, draft=None, *, profile: HardwareProfile | None = None, cache_dir=None) -> Seeding:
+    """What ``profile`` (or, without one, the profile cache) holds for ``target`` in its loaded format and a
+    ``draft`` model in its format, on the target's device: a seeding of kind ``HARDWARE_PROFILE`` to write into a
+    memory, or of kind ``PRIORS`` with the reason it has none. ``draft`` None (or a ``Drafter`` that is no
+    model): the target's t(n) alone. Never measures, never raises."""
+    draft = draft if isinstance(draft, torch.nn.Module) else None
+    given = profile is not None
+    source = GIVEN if given else CACHED
+    try:
+        target_format = model_format(target)
+        draft_format = model_format(draft) if draft is not None else None
+        profile = profile if given else cached_profile(target, draft, cache_dir=cache_dir)
+        forward = profile.target_entry(target_format).table if target_format in profile.target_formats else None
+        steps = reads = None
+        if draft_format is not None and draft_format in profile.draft_formats:
+            steps, reads = profile.draft_steps(draft_format), profile.draft_read(draft_format) or None
+        share = read_share(profile, target_format, reads)
+    except _PROFILE_ERRORS as err:  # a speed hint only: say why and run on priors
+        return Seeding(EstimatesFrom.PRIORS, reason=f"not seeded: {type(err).__name__}: {err}")
+    if forward is None and steps is None:
+        return Seeding(EstimatesFrom.PRIORS, target_format=target_format, draft_format=draft_format,
+                       reason=_not_held(target_format, draft_format, given))
+    return Seeding(EstimatesFrom.HARDWARE_PROFILE, seeded=True, source=source, target_format=target_format,
+                   draft_format=draft_format, forward_seconds=forward, draft_steps=steps, draft_read_seconds=reads,
+                   draft_read_share=share)
+
+
+def _not_held(target_format: str, draft_format: str | None, given: bool) -> str:
+    if given:
+        what = (f"neither the target in {target_format} nor the draft in {draft_format}" if draft_format
+                else f"no target in {target_format}")
+        return f"not seeded: the given hardware profile has {what}"
+    draft = f" or the draft in {draft_format}" if draft_format else ""
+    return f"not seeded: no cached hardware profile of the target in {target_format}{draft} ({PROFILE_HINT})"
+
+
+def seed_speculative(memory: SpeculativeMemory, target, draft, *, profile: HardwareProfile | None = None,
+                     cache_dir=None) -> Seeding:
+    """Seed ``memory`` for ``draft`` from ``profile`` or the profile cache while it holds no cost for this draft
+    (a memory that does, from earlier calls or an earlier seeding, is left as it is). A profile that holds
+    nothing for them leaves the memory on priors and records why (the call's stats show it). Never raises."""
+    if memory.holds(draft):
+        return _left(memory.origin(draft), memory.estimates(draft).forward.table(), "the speculative memory",
+                     " for this draft")
+    seeding = profile_seeding(target, draft, profile=profile, cache_dir=cache_dir)
+    memory.seed(draft, seeding.forward_seconds, seeding.draft_steps, draft_read_share=seeding.draft_read_share,
+                origin=seeding)
+    return seeding
+
+
+def seed_lookahead(memory: LookaheadMemory, target, *, profile: HardwareProfile | None = None,
+                   cache_dir=None) -> Seeding:
+    """Seed ``memory``'s t(n) of ``target`` from ``profile`` or the profile cache while it holds none (as
+    ``seed_speculative``)."""
+    if memory.estimates.forward.largest:
+        return _left(memory.origin, memory.estimates.forward.table(), "the lookahead memory", "")
+    seeding = profile_seeding(target, profile=profile, cache_dir=cache_dir)
+    memory.seed(seeding.forward_seconds, origin=seeding)
+    return seeding
+
+
+def _left(origin: Seeding | None, forward: dict[int, float], memory: str, what: str) -> Seeding:
+    """A memory that seeding leaves as it is: its t(n) (as good a seed for another memory) and why."""
+    return Seeding(origin.kind if origin is not None else EstimatesFrom.EARLIER_CALLS, forward_seconds=forward or None,
+                   reason=f"{memory} already holds estimates{what} (left as they are)")
+
+
+def call_start_speculative(memory: SpeculativeMemory | None, target, draft) -> Seeding:
+    """Where a speculative call starting now finds its estimates: ``memory`` seeded from the cached profile if
+    this is its first call with ``draft`` and nothing seeded it before (tried once: a memory the profile holds
+    nothing for stays on priors); None, a call that keeps nothing, starts from priors."""
+    if memory is None:
+        return Seeding(EstimatesFrom.PRIORS, reason="no speculative memory (speculative_memory=None): a call that "
+                                                    "starts from priors and keeps nothing")
+    if memory.origin(draft) is None:
+        seed_speculative(memory, target, draft)
+    return memory.start_call(draft)
+
+
+def call_start_lookahead(memory: LookaheadMemory | None, target) -> Seeding:
+    """As ``call_start_speculative``, for a lookahead call's memory."""
+    if memory is None:
+        return Seeding(EstimatesFrom.PRIORS, reason="no lookahead memory (lookahead_memory=None): a call that "
+                                                    "starts from priors and keeps nothing")
+    if memory.origin is None:
+        seed_lookahead(memory, target)
+    return memory.start_call()
