@@ -41,7 +41,8 @@ def role_sizes(role: str) -> tuple[int, ...]:
 
 class FormatUnavailable(RuntimeError):
     """A format cannot be measured (or loaded) here: bitsandbytes missing, layers too narrow for its kernels, no
-    int8 engine, no int4 CPU kernel (or not a CPU), out of memory. The profile notes it and goes on without that format."""
+    int8 engine, no int4 CPU kernel (or not a CPU), out of memory. The profile notes it and goes on without that
+    format."""
 
 
 def as_format(dtype_or_format: str | torch.dtype) -> str:

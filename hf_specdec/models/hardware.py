@@ -1,6 +1,7 @@
 """dtype, device and memory: dtype names, quantization of a draft (bitsandbytes 4-bit / 8-bit, torch dynamic
-int8; torch's int4 weight-only kernel lives in ``int4``), footprints, the memory available, OOM at load; and the machine itself: its CPU's name and flags, and the
-``machine_record`` every report carries (``hf-specdec check``, the eval harness, the bench scripts).
+int8; torch's int4 weight-only kernel lives in ``int4``), footprints, the memory available, OOM at load; and the
+machine itself: its CPU's name and flags, and the ``machine_record`` every report carries (``hf-specdec check``,
+the eval harness, the bench scripts).
 
 ``dtype="auto"`` and ``quantize="auto"`` are not decided here: no CPU-flag rule predicts what is fast (on an AVX2
 EPYC bf16 steps faster than fp32 but verifies 8 tokens at ~8x the cost). They are decided by the measured
