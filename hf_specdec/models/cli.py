@@ -114,7 +114,7 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-DRAFT_QUANTIZE_CHOICES = ("auto", "none", "4bit", "8bit", "dynamic-int8")
+DRAFT_QUANTIZE_CHOICES = ("auto", "none", "4bit", "8bit", "dynamic-int8", "int4")
 
 
 def _workload(args):
@@ -207,8 +207,8 @@ def _add_check(subparsers) -> None:
     p.add_argument("--prompts", help='JSONL file with one {"prompt": ...} per line (default: built-in coding prompts)')
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
     p.add_argument("--draft-quantize", choices=DRAFT_QUANTIZE_CHOICES, default="auto",
-                   help="draft format: auto (the profile's fastest that fits), none (the target's dtype), 4bit, 8bit "
-                        "or dynamic-int8 (default auto)")
+                   help="draft format: auto (the profile's fastest that fits), none (the target's dtype), 4bit, 8bit, "
+                        "dynamic-int8 or int4 (default auto)")
     p.add_argument("--dtype", default="auto", help="target dtype: auto (the profile's choice), bf16, fp16 or fp32")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--repeats", type=int, default=5, help="timing repeats, the median is used (default 5)")

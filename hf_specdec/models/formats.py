@@ -2,12 +2,14 @@
 hardware profile measures for each role.
 
 A format is a target dtype ("bf16", "fp16", "fp32") or a draft format (those, bitsandbytes "8bit" / "4bit",
-torch "dynamic-int8"). Every other room of ``hf_specdec.models`` names formats through this one:
+torch "dynamic-int8", and "int4": weight-only 4-bit Linear layers over torch's own CPU kernel, ``int4``). Every
+other room of ``hf_specdec.models`` names formats through this one:
 
     as_format(torch.bfloat16)      # "bf16"
     as_format("float32")           # "fp32"
     format_load_args("4bit")       # (torch.bfloat16, "4bit"): load_model's dtype and quantize
-    candidate_formats("draft")     # ("bf16", "fp32", "8bit", "4bit", "dynamic-int8") on a CPU
+    candidate_formats("draft")     # ("bf16", "fp32", "8bit", "4bit", "dynamic-int8", "int4") on a CPU
+    quantize_loaded(model, "int4") # the post-load kinds, applied in place to a model loaded in float
 
 It imports nothing of the profile: the profile's data (``profile``), its timing (``measure``), its store
 (``store``) and the choices (``choose``) all stand on it.
@@ -19,13 +21,14 @@ from types import MappingProxyType
 
 import torch
 
-from .hardware import quantized_compute_dtype
+from .hardware import quantize_dynamic_int8, quantized_compute_dtype
+from .int4 import int4_available, is_int4, quantize_int4
 
 TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DRAFT_SIZES = (1, 2, 4, 8)  # rows of a batched draft step
 
 # every format a profile can hold; for drafts, also the tie-break order (full precision first, then less memory)
-FORMATS = ("bf16", "fp16", "fp32", "8bit", "dynamic-int8", "4bit")
+FORMATS = ("bf16", "fp16", "fp32", "8bit", "dynamic-int8", "int4", "4bit")
 FORMAT_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32})
 DTYPE_FORMATS = MappingProxyType({torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"})
 ROLES = ("target", "draft")
@@ -38,7 +41,8 @@ def role_sizes(role: str) -> tuple[int, ...]:
 
 class FormatUnavailable(RuntimeError):
     """A format cannot be measured (or loaded) here: bitsandbytes missing, layers too narrow for its kernels, no
-    int8 engine, out of memory. The profile notes it and goes on without that format."""
+    int8 engine, no int4 CPU kernel (or not a CPU), out of memory. The profile notes it and goes on without that
+    format."""
 
 
 def as_format(dtype_or_format: str | torch.dtype) -> str:
@@ -68,7 +72,10 @@ def format_load_args(fmt: str, device: str = "cpu") -> tuple[torch.dtype, str | 
 
 def model_format(model: torch.nn.Module) -> str:
     """The format of a loaded model: "4bit" / "8bit" (bitsandbytes layers), "dynamic-int8" (torch dynamic
-    quantized Linear layers), else its parameters' dtype ("bf16", "fp16", "fp32")."""
+    quantized Linear layers), "int4" (``int4.Int4Linear`` layers), else its parameters' dtype ("bf16", "fp16",
+    "fp32")."""
+    if is_int4(model):
+        return "int4"
     kinds = {type(m).__name__ for m in model.modules()}
     if "Linear4bit" in kinds:
         return "4bit"
@@ -81,7 +88,8 @@ def model_format(model: torch.nn.Module) -> str:
 
 def candidate_formats(role: str, device: str = "cpu") -> tuple[str, ...]:
     """The formats a profile measures for ``role`` on ``device``: target dtypes CPU bf16 and fp32, CUDA bf16
-    (where supported) and fp16; draft formats add bitsandbytes 8-bit / 4-bit and, on CPU, dynamic int8."""
+    (where supported) and fp16; draft formats add bitsandbytes 8-bit / 4-bit and, on CPU, dynamic int8 and int4
+    (where torch has its int4 CPU kernel)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r}: use 'target' or 'draft'")
     cuda = str(device).startswith("cuda")
@@ -91,4 +99,16 @@ def candidate_formats(role: str, device: str = "cpu") -> tuple[str, ...]:
         dense = ("bf16", "fp32")
     if role == "target":
         return dense
-    return dense + ("8bit", "4bit") + (() if cuda else ("dynamic-int8",))
+    cpu_only = () if cuda else ("dynamic-int8",) + (("int4",) if int4_available() else ())
+    return dense + ("8bit", "4bit") + cpu_only
+
+
+def quantize_loaded(model: torch.nn.Module, quantize: str | None) -> torch.nn.Module:
+    """Apply a ``hardware.POST_LOAD_QUANTIZE`` kind to ``model`` (loaded in float), in place: "dynamic-int8"
+    (``hardware.quantize_dynamic_int8``, an fp32 model) or "int4" (``int4.quantize_int4``, bf16 is its fast
+    dtype). Any other ``quantize`` (None, the bitsandbytes kinds, applied while loading) leaves it as it is."""
+    if quantize == "dynamic-int8":
+        quantize_dynamic_int8(model)
+    elif quantize == "int4":
+        quantize_int4(model)
+    return model

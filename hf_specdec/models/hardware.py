@@ -1,6 +1,7 @@
 """dtype, device and memory: dtype names, quantization of a draft (bitsandbytes 4-bit / 8-bit, torch dynamic
-int8), footprints, the memory available, OOM at load; and the machine itself: its CPU's name and flags, and the
-``machine_record`` every report carries (``hf-specdec check``, the eval harness, the bench scripts).
+int8; torch's int4 weight-only kernel lives in ``int4``), footprints, the memory available, OOM at load; and the
+machine itself: its CPU's name and flags, and the ``machine_record`` every report carries (``hf-specdec check``,
+the eval harness, the bench scripts).
 
 ``dtype="auto"`` and ``quantize="auto"`` are not decided here: no CPU-flag rule predicts what is fast (on an AVX2
 EPYC bf16 steps faster than fp32 but verifies 8 tokens at ~8x the cost). They are decided by the measured
@@ -25,7 +26,9 @@ _DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
 }
-QUANTIZE = (None, "4bit", "8bit", "dynamic-int8")
+QUANTIZE = (None, "4bit", "8bit", "dynamic-int8", "int4")
+# applied by hf_specdec to a model loaded in float (no bitsandbytes config, so a GGUF file can take them too)
+POST_LOAD_QUANTIZE = ("dynamic-int8", "int4")
 
 
 class ModelLoadOOMError(RuntimeError):
@@ -137,11 +140,13 @@ def quantized_compute_dtype(device: str) -> torch.dtype:
 
 def quantization_config(quantize: str | None, compute_dtype: torch.dtype = torch.bfloat16):
     """A ``BitsAndBytesConfig`` for ``quantize="4bit"`` (NF4) or ``"8bit"``; None for ``quantize=None`` and for
-    ``"dynamic-int8"`` (applied after loading, :func:`quantize_dynamic_int8`)."""
-    if quantize in (None, "none", "dynamic-int8"):
+    the ``POST_LOAD_QUANTIZE`` kinds (applied after loading: :func:`quantize_dynamic_int8`,
+    ``int4.quantize_int4``)."""
+    if quantize in (None, "none", *POST_LOAD_QUANTIZE):
         return None
     if quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r} is invalid: use 'auto', '4bit', '8bit', 'dynamic-int8' or None.")
+        raise ValueError(f"quantize={quantize!r} is invalid: use 'auto', '4bit', '8bit', 'dynamic-int8', 'int4' or "
+                         "None.")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

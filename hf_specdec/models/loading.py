@@ -21,9 +21,9 @@ import torch
 
 from . import refs
 from .choose import Choice, Workload, choose_draft_format, choose_dtype
-from .formats import format_load_args
-from .hardware import (ModelLoadOOMError, available_memory_bytes, oom_guard, quantization_config,
-                       quantize_dynamic_int8, quantized_compute_dtype, resolve_device, resolve_dtype)
+from .formats import format_load_args, quantize_loaded
+from .hardware import (POST_LOAD_QUANTIZE, ModelLoadOOMError, available_memory_bytes, oom_guard,
+                       quantization_config, quantized_compute_dtype, resolve_device, resolve_dtype)
 from .profile import HardwareProfile
 from .refs import ResolvedRef, load_config, load_tokenizer, resolve_reference
 from .store import get_profile
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoadInfo:
     """How a model was loaded: the reference asked for, its kind ("bundle", "gguf", "pretrained"), the path
-    ``from_pretrained`` read, the resolved dtype name, the quantization (None, "4bit", "8bit", "dynamic-int8"),
+    ``from_pretrained`` read, the resolved dtype name, the quantization (None, "4bit", "8bit", "dynamic-int8", "int4"),
     the device and the seconds the weights took to load; ``choice``: what ``dtype="auto"`` / ``quantize="auto"``
     chose from the hardware profile and why (None when both were given)."""
 
@@ -107,7 +107,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
 def _load_weights(ref: str, resolved: ResolvedRef, torch_dtype: torch.dtype, quantize: str | None,
                   device: str) -> tuple[Any, float]:
     qconfig = quantization_config(quantize, torch_dtype)
-    if quantize not in (None, "dynamic-int8") and resolved.kind == "gguf":
+    if quantize not in (None, *POST_LOAD_QUANTIZE) and resolved.kind == "gguf":
         raise ValueError(
             f"quantize={quantize!r} is not supported for a .gguf file ({ref!r}): transformers dequantizes GGUF "
             "on load. Convert it first (hf_specdec.models.bundles.convert_gguf) and load the converted directory."
@@ -123,8 +123,7 @@ def _load_weights(ref: str, resolved: ResolvedRef, torch_dtype: torch.dtype, qua
         model = refs.from_pretrained(resolved.path, **kwargs)
         if qconfig is None and device != "cpu":
             model = model.to(device)
-        if quantize == "dynamic-int8":
-            quantize_dynamic_int8(model)
+        quantize_loaded(model, quantize)
     return model, time.perf_counter() - t0
 
 
@@ -135,8 +134,9 @@ def load_model(ref: str, *, dtype: str | torch.dtype = "auto", quantize: str | N
     """Load a reference: ``LoadedModel(model, tokenizer, info)``, the model in eval mode on ``device``.
 
     ``dtype``: "auto", "bf16", "fp16", "fp32" or a torch.dtype; it is the compute dtype of a quantized model.
-    ``quantize``: None, "auto", "4bit" (bitsandbytes NF4), "8bit" (LLM.int8) or "dynamic-int8" (torch dynamic
-    int8 Linear layers, CPU fp32); meant for the draft. "auto" is decided by the measured hardware profile
+    ``quantize``: None, "auto", "4bit" (bitsandbytes NF4), "8bit" (LLM.int8), "dynamic-int8" (torch dynamic
+    int8 Linear layers, CPU fp32) or "int4" (4-bit weight-only Linear layers over torch's CPU kernel, bf16;
+    ``hf_specdec.models.int4``); meant for the draft. "auto" is decided by the measured hardware profile
     (``hf_specdec.models.choose``; ``profile`` given, else measured once for this model and device and cached):
     ``dtype="auto"`` of a target: the dtype with the lowest expected end-to-end time of ``workload`` (default: a
     256-token prompt, 128 new tokens); ``quantize="auto"``: the fastest draft format that fits in the free

@@ -43,9 +43,10 @@ import torch
 
 from ..costmodel import forward_times
 from . import refs
-from .formats import FORMAT_DTYPES, FormatUnavailable, as_format, model_format, role_sizes
-from .hardware import (decoder_layers, dynamic_int8_available, footprint_bytes, quantization_config,
-                       quantize_dynamic_int8, quantized_compute_dtype, resolve_device)
+from .formats import FORMAT_DTYPES, FormatUnavailable, as_format, model_format, quantize_loaded, role_sizes
+from .hardware import (POST_LOAD_QUANTIZE, decoder_layers, dynamic_int8_available, footprint_bytes,
+                       quantization_config, quantized_compute_dtype, resolve_device)
+from .int4 import int4_available
 from .profile import CONTEXT_TOKENS, PREFILL_TOKENS, FormatCost, text_config
 
 REPEATS = 3
@@ -116,7 +117,8 @@ def build_proxy(config, fmt: str, device: str = "cpu", layers: int = 2, workdir:
     """The model of ``config`` with ``layers`` decoder layers and random weights, in format ``fmt`` on ``device``.
 
     bitsandbytes formats are saved to ``workdir`` in bf16 and loaded back through ``load_model``'s
-    ``from_pretrained`` call with the same quantization config; dynamic int8 is applied as ``load_model`` does.
+    ``from_pretrained`` call with the same quantization config; dynamic int8 and int4 are applied as
+    ``load_model`` does (what their kernels cost does not depend on the weights' values).
     Raises ``FormatUnavailable`` when the format cannot be built here.
     """
     from transformers import AutoModelForCausalLM
@@ -125,6 +127,8 @@ def build_proxy(config, fmt: str, device: str = "cpu", layers: int = 2, workdir:
     dense = FORMAT_DTYPES.get(fmt, torch.float32 if fmt == "dynamic-int8" else quantized_compute_dtype(device))
     if fmt == "dynamic-int8" and (str(device) != "cpu" or not dynamic_int8_available()):
         raise FormatUnavailable("torch dynamic int8 runs on CPU with a quantized engine only")
+    if fmt == "int4" and (str(device) != "cpu" or not int4_available()):
+        raise FormatUnavailable(f"int4 runs on CPU with torch's int4 CPU kernel only (torch {torch.__version__})")
     proxy_config = _proxy_config(config, layers)
     try:
         from transformers.initialization import no_init_weights
@@ -155,8 +159,8 @@ def build_proxy(config, fmt: str, device: str = "cpu", layers: int = 2, workdir:
         except (RuntimeError, ValueError, NotImplementedError, AssertionError) as err:
             raise FormatUnavailable(f"{type(err).__name__}: {str(err)[:160]}") from None
         model.eval()
-    elif fmt == "dynamic-int8":
-        quantize_dynamic_int8(model)
+    elif fmt in POST_LOAD_QUANTIZE:
+        quantize_loaded(model, fmt)
     return model
 
 

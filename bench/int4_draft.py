@@ -1,0 +1,214 @@
+"""The int4 draft format beside the others (issue 29): the 0.5B draft's cached step per format, and how often
+its greedy token agrees with the target's on held-out prompts.
+
+    python bench/int4_draft.py --out results/int4_draft               # the bundled pair, 6 held-out prompts
+    python bench/int4_draft.py --prompts 2 --rounds 2 --out /tmp/i4   # quicker
+
+Formats: fp32, bf16, dynamic-int8 (``load_model``'s quantize), int4 (``hf_specdec.models.int4``: every decoder
+Linear in 4 bits, the output layer in bf16), int4+head (the output layer in 4 bits too; not a load format:
+hf_specdec reads a draft's float output layer), and with ``--nf4`` bitsandbytes NF4.
+
+Timing: one cached step, one new token on top of a ``--context``-token cache of real prompt tokens, rolled back
+after each step; per format twice: with the full output layer (what the hardware profile measures) and with the
+output layer narrowed as hf_specdec drafts (``SubVocabHead``: the first 32768 ids, the prompt's and the special
+tokens; where the output layer is float), and the prompt read (a ``--read``-token prefill). Rounds interleave
+the formats (``--rounds``, each sample the median of ``--repeats`` steps); the table gives each format's fastest
+round and the median round (other processes share the CPU: they only ever add time).
+
+Agreement: the fp32 target's greedy continuation (``--new`` tokens) of each prompt, then per format one forward
+over prompt + continuation: the share of continuation positions where the draft's argmax is the target's token
+(greedy acceptance per token, teacher-forced: each position sees the target's prefix), and where it is the fp32
+draft's argmax (what quantizing changed). The full output layer is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hf_specdec import cache as kv  # noqa: E402
+from hf_specdec.drafters.draft_model import SubVocabHead  # noqa: E402
+from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
+from hf_specdec.models.hardware import footprint_bytes, machine_record  # noqa: E402
+from hf_specdec.models.int4 import quantize_int4  # noqa: E402
+
+NARROW = 32768  # SpecConfig.draft_vocab_size "auto" for a vocabulary over 65536
+
+
+def load_drafts(nf4: bool) -> dict:
+    drafts = {"fp32": load_model(DEFAULT_DRAFT, dtype="fp32", progress=False).model,
+              "bf16": load_model(DEFAULT_DRAFT, dtype="bf16", progress=False).model,
+              "dynamic-int8": load_model(DEFAULT_DRAFT, quantize="dynamic-int8", progress=False).model,
+              "int4": load_model(DEFAULT_DRAFT, quantize="int4", progress=False).model}
+    headed = load_model(DEFAULT_DRAFT, dtype="bf16", progress=False).model
+    quantize_int4(headed, lm_head=True)
+    drafts["int4+head"] = headed
+    if nf4:
+        drafts["nf4"] = load_model(DEFAULT_DRAFT, quantize="4bit", progress=False).model
+    return drafts
+
+
+def prompt_ids(tokenizer, rows: list[dict]) -> list[torch.LongTensor]:
+    out = []
+    for row in rows:
+        if row.get("chat"):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = row["prompt"]
+        out.append(tokenizer(text, return_tensors="pt").input_ids)
+    return out
+
+
+@torch.inference_mode()
+def step_seconds(model, prefix: torch.LongTensor, repeats: int, head) -> float:
+    """Median seconds of one cached step (one new token after ``prefix``), rolled back after each."""
+    cache = kv.new_cache(model)
+    kv.call_model(model, prefix[:, :-1], cache, head=head)
+    base = prefix.shape[1] - 1
+    samples = []
+    for repeat in range(repeats + 1):
+        start = time.perf_counter()
+        kv.call_model(model, prefix[:, -1:], cache, logits_at=1, head=head)
+        if repeat:
+            samples.append(time.perf_counter() - start)
+        kv.rollback(cache, base)
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def read_seconds(model, ids: torch.LongTensor) -> float:
+    cache = kv.new_cache(model)
+    start = time.perf_counter()
+    kv.call_model(model, ids, cache, logits_at=1)
+    return time.perf_counter() - start
+
+
+def narrowed_head(model, prefix: torch.LongTensor, tokenizer):
+    if not SubVocabHead.usable(model):
+        return None
+    vocab = model.get_output_embeddings().weight.shape[0]
+    specials = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    keep = torch.cat([torch.arange(NARROW), prefix[0], specials])
+    return SubVocabHead(model, torch.unique(keep[keep < vocab]), vocab)
+
+
+@torch.inference_mode()
+def agreement(model, sequences, prompt_lengths, target_tokens, reference_tokens=None):
+    """(share agreeing with the target, share agreeing with the reference draft, this draft's argmaxes)."""
+    hits = ref_hits = total = 0
+    argmaxes = []
+    for seq, n, tgt, i in zip(sequences, prompt_lengths, target_tokens, range(len(sequences))):
+        logits = model(seq).logits[0, n - 1: -1].float()  # predictions of the continuation's tokens
+        guess = logits.argmax(-1)
+        argmaxes.append(guess)
+        hits += int((guess == tgt).sum())
+        total += tgt.numel()
+        if reference_tokens is not None:
+            ref_hits += int((guess == reference_tokens[i]).sum())
+    return hits / total, (ref_hits / total if reference_tokens is not None else 1.0), argmaxes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=6, help="held-out prompts (bench/heldout.jsonl), default 6")
+    parser.add_argument("--new", type=int, default=48, help="target tokens per prompt for agreement (48)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds (4)")
+    parser.add_argument("--repeats", type=int, default=5, help="steps per timing sample (5)")
+    parser.add_argument("--context", type=int, default=100, help="cached tokens before the timed step (100)")
+    parser.add_argument("--read", type=int, default=64, help="prompt-read (prefill) tokens timed (64)")
+    parser.add_argument("--nf4", action="store_true", help="also time bitsandbytes NF4")
+    parser.add_argument("--skip-agreement", action="store_true", help="timing only")
+    parser.add_argument("--skip-timing", action="store_true", help="agreement only")
+    parser.add_argument("--out", type=Path, default=None, help="directory for int4_draft.json")
+    args = parser.parse_args(argv)
+
+    rows = [json.loads(line) for line in (ROOT / "bench" / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    # alternate completions and edits
+    completes = [r for r in rows if "/complete/" in r["id"]]
+    edits = [r for r in rows if "/complete/" not in r["id"]]
+    chosen = [r for pair in zip(completes, edits) for r in pair][: args.prompts]
+    result: dict = {"machine": machine_record("cpu"), "args": {k: str(v) for k, v in vars(args).items()},
+                    "prompts": [r["id"] for r in chosen]}
+
+    target, tokenizer, _ = load_model(DEFAULT_TARGET, dtype="fp32", progress=False)
+    prompts = prompt_ids(tokenizer, chosen)
+    sequences, target_tokens = [], []
+    if not args.skip_agreement:
+        t0 = time.perf_counter()
+        for ids in prompts:
+            out = type(target).generate(target, ids, max_new_tokens=args.new, do_sample=False,
+                                        attention_mask=torch.ones_like(ids))
+            sequences.append(out)
+            target_tokens.append(out[0, ids.shape[1]:])
+        print(f"target continuations: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    del target
+    gc.collect()
+
+    drafts = load_drafts(args.nf4)
+    result["footprint_bytes"] = {name: footprint_bytes(m) for name, m in drafts.items()}
+    if not args.skip_agreement:
+        lengths = [ids.shape[1] for ids in prompts]
+        _, _, reference = agreement(drafts["fp32"], sequences, lengths, target_tokens)
+        result["agreement"] = {}
+        for name, model in drafts.items():
+            with_target, with_fp32, _ = agreement(model, sequences, lengths, target_tokens, reference)
+            result["agreement"][name] = {"target": with_target, "fp32_draft": with_fp32,
+                                         "positions": sum(t.numel() for t in target_tokens)}
+            print(f"agreement {name:13s} target {with_target:.3f}  fp32 draft {with_fp32:.3f}", file=sys.stderr)
+
+    if args.skip_timing:
+        return _write(result, args.out)
+    prefix = prompts[0][:, : args.context] if prompts[0].shape[1] >= args.context else \
+        torch.cat([prompts[0], prompts[1]], dim=1)[:, : args.context]
+    read_ids = torch.cat(prompts, dim=1)[:, : args.read]
+    heads = {name: narrowed_head(m, prefix, tokenizer) for name, m in drafts.items()}
+    samples: dict = {name: {"full": [], "narrowed": [], "read": []} for name in drafts}
+    for rnd in range(args.rounds):
+        order = list(drafts)[rnd % len(drafts):] + list(drafts)[: rnd % len(drafts)]  # rotate the order
+        for name in order:
+            model = drafts[name]
+            samples[name]["full"].append(step_seconds(model, prefix, args.repeats, None))
+            if heads[name] is not None:
+                samples[name]["narrowed"].append(step_seconds(model, prefix, args.repeats, heads[name]))
+            samples[name]["read"].append(read_seconds(model, read_ids))
+        print(f"round {rnd + 1}: " + ", ".join(f"{n} {samples[n]['full'][-1] * 1e3:.0f}" for n in drafts) + " ms",
+              file=sys.stderr)
+    result["samples_s"] = samples
+    lines = [f"| format | step, full head (ms) | step, narrowed head (ms) | prompt read {args.read} tok (ms) | "
+             "agrees with target | agrees with fp32 draft | weights (MB) |", "|---|---|---|---|---|---|---|"]
+
+    def cell(values):
+        return f"{min(values) * 1e3:.0f} (median {statistics.median(values) * 1e3:.0f})" if values else "n/a"
+
+    for name in drafts:
+        s = samples[name]
+        agree = result.get("agreement", {}).get(name)
+        lines.append(f"| {name} | {cell(s['full'])} | {cell(s['narrowed'])} | {cell(s['read'])} | "
+                     + (f"{agree['target']:.3f} | {agree['fp32_draft']:.3f}" if agree else "- | -")
+                     + f" | {result['footprint_bytes'][name] / 1e6:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    result["table"] = table
+    return _write(result, args.out)
+
+
+def _write(result: dict, out: Path | None) -> int:
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "int4_draft.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
