@@ -51,7 +51,6 @@ import dataclasses
 import enum
 import hashlib
 import json
-import math
 import shutil
 import sys
 import time
@@ -608,8 +607,9 @@ class DistillReport:
 
     def summary(self) -> str:
         k = max(self.expected_tokens_after)
-        return (f"{self.start} drafter ({self.drafter_params / 1e6:.1f}M params, {self.drafter_params / max(1, self.target_params):.3f}"
-                f" of the target), {self.loss}, {self.steps} steps, {self.tokens} tokens, {self.wall_s / 60:.1f} min "
+        share = self.drafter_params / max(1, self.target_params)
+        return (f"{self.start} drafter ({self.drafter_params / 1e6:.1f}M params, {share:.3f} of the target), "
+                f"{self.loss}, {self.steps} steps, {self.tokens} tokens, {self.wall_s / 60:.1f} min "
                 f"on {self.device}: held-out greedy agreement {self.agreement_before:.3f} -> {self.agreement_after:.3f}"
                 f", TVD {self.tvd_before:.3f} -> {self.tvd_after:.3f}, expected tokens per round at k={k} "
                 f"{self.expected_tokens_before[k]:.2f} -> {self.expected_tokens_after[k]:.2f}")
@@ -676,6 +676,8 @@ def _load_checkpoint(output_dir: Path, settings: dict[str, Any]):
     """``(drafter, trainer state)`` of the latest checkpoint, or None; refused when it was trained with other
     settings (continuing it under these would not be the run it started)."""
     path = output_dir / CHECKPOINT_DIR
+    if not (path / TRAINER_FILE).is_file():  # a save interrupted between its two renames left it as .old
+        path = output_dir / f"{CHECKPOINT_DIR}.old"
     if not (path / TRAINER_FILE).is_file():
         return None
     from .models.refs import from_pretrained
