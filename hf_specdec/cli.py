@@ -1,4 +1,4 @@
-"""``hf-specdec``: models, check, tune, generate, demo."""
+"""``hf-specdec``: models, check, tune, generate, distill, demo."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def _demo(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hf_specdec import distill
     from hf_specdec.harness import MODES
     from hf_specdec.models import cli as models_cli
 
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true",
                      help="after the text, where the time went and why rounds were plain (speculation off)")
     gen.set_defaults(func=_generate)
+    distill.register(sub)
 
     # `hf-specdec demo ARGS...` hands ARGS to hf_specdec.demo.app.main untouched (see main)
     sub.add_parser("demo", help="the side-by-side Gradio demo; `hf-specdec demo --help` for its options")
