@@ -228,3 +228,20 @@ def test_the_harness_seeding_is_the_cores_and_the_call_reports_it(cache, monkeyp
     assert stats.estimates_from is EstimatesFrom.HARDWARE_PROFILE
     assert stats.estimates_why.startswith("seeded from the given hardware profile: target t(n) in fp32 at 3 sizes")
     assert LookaheadMemory().origin is None
+
+
+def test_a_drafter_that_is_no_model_gets_the_targets_t_n_alone(cache, monkeypatch, prompt):
+    """A bring-your-own ``Drafter`` (here prompt lookup) is no model the profile can hold: its memory gets the
+    target's t(n), and the draft step is measured while decoding."""
+    from hf_specdec.drafters.base import PerRow
+    from hf_specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    model, draft, _ = pair(monkeypatch)
+    expected = type(model).generate(model, prompt, max_new_tokens=NEW, do_sample=False)
+    write_profile(model, draft, cache)
+    drafter = PerRow(PromptLookupDrafter)
+    out = model.generate(prompt, assistant_model=drafter, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, expected)
+    assert model.last_spec_stats.estimates_why == ("seeded from the cached hardware profile: target t(n) in fp32 at "
+                                                   "10 sizes (t(1) 100.0 ms)")
+    assert model.speculative_memory.estimates(drafter).forward.seeded(32)

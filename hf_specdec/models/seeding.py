@@ -49,7 +49,7 @@ def profile_seeding(target, draft=None, *, profile: HardwareProfile | None = Non
     ``draft`` model in its format, on the target's device: a seeding of kind ``HARDWARE_PROFILE`` to write into a
     memory, or of kind ``PRIORS`` with the reason it has none. ``draft`` None (or a ``Drafter`` that is no
     model): the target's t(n) alone. Never measures, never raises."""
-    draft = draft if isinstance(draft, torch.nn.Module) else None
+    draft = draft if _is_model(draft) else None
     given = profile is not None
     source = GIVEN if given else CACHED
     try:
@@ -69,6 +69,12 @@ def profile_seeding(target, draft=None, *, profile: HardwareProfile | None = Non
     return Seeding(EstimatesFrom.HARDWARE_PROFILE, seeded=True, source=source, target_format=target_format,
                    draft_format=draft_format, forward_seconds=forward, draft_steps=steps, draft_read_seconds=reads,
                    draft_read_share=share)
+
+
+def _is_model(draft) -> bool:
+    """Is ``draft`` a draft model the profile can hold (a module with a config), not a ``Drafter`` object (one
+    that proposes its own guesses: the profile holds nothing for it)?"""
+    return isinstance(draft, torch.nn.Module) and hasattr(draft, "config") and not hasattr(draft, "propose")
 
 
 def _not_held(target_format: str, draft_format: str | None, given: bool) -> str:
