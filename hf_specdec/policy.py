@@ -215,6 +215,7 @@ class AdaptiveChainRule:
 
 
 READ_NOT_REPAID = "draft prompt read not repaid"
+NO_ROOM = "no room left: the length limit"  # one token left: the round's own, nothing to guess
 
 
 @dataclass(frozen=True)
@@ -428,8 +429,10 @@ class Planner:
             return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
                               why="a plain step first: the reference of every other size")
                     for view, offer in zip(views, offers)]
-        price = self.price(rows)
         budgets = [view.budget for view in views]
+        if not any(budgets):  # one token left: the round's own token, no room for a guess of any source
+            return [RoundPlan(max_tokens=0, why=NO_ROOM) for _ in views]
+        price = self.price(rows)
         model = self.settings.max_draft_tokens > 0 and any(offer.model_tokens for offer in offers)
         decision = self._decide_chain(price, views, offers) if model else Decision(0)
         trie = self._trie(price, budgets, offers) if self._candidates(rows) else None
@@ -492,7 +495,7 @@ class Planner:
         'draft prompt read not repaid: 1.00 s to read, ~1.75 s saved over the 64 tokens left'
         """
         if budget <= 0:
-            return Decision(0, why="no room left: the length limit")
+            return Decision(0, why=NO_ROOM)
         if price.t_draft is None:
             return Decision(min(self.settings.num_draft_tokens, budget))
         gains = prefix_gains(self.acceptance(DRAFT).rates(budget))

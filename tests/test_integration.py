@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 
 import hf_specdec
+from hf_specdec.policy import NO_ROOM
 from hf_specdec.round import SourceKind
 from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy, tiny_model
@@ -94,7 +95,7 @@ def test_a_profile_that_says_drafting_pays_drafts_from_the_first_round(prompt, m
     assert torch.equal(out, model.generate.__wrapped__(prompt, max_new_tokens=NEW, do_sample=False))
     stats = model.last_spec_stats.get()
     # never a plain round but, when one token is left, the last (no room for a guess)
-    assert stats.draft_length_hist[0] == stats.plain_reasons["no room left"] <= 1, stats.plain_reasons
+    assert stats.draft_length_hist[0] == stats.plain_reasons[NO_ROOM.split(":")[0]] <= 1, stats.plain_reasons
     assert model.speculative_memory.estimates(draft).acceptance[(SourceKind.DRAFT, 0)].judged[0] > 0  # kept for later calls
     assert model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
                           speculative_memory=None).shape == out.shape  # a call on its own
