@@ -3,10 +3,12 @@ its greedy token agrees with the target's on held-out prompts.
 
     python bench/int4_draft.py --out results/int4_draft               # the bundled pair, 6 held-out prompts
     python bench/int4_draft.py --prompts 2 --rounds 2 --out /tmp/i4   # quicker
+    python bench/int4_draft.py --skip-timing --formats int4 --out results/int4_draft   # reuses the target's
+                                                                      # continuations saved there
 
-Formats: fp32, bf16, dynamic-int8 (``load_model``'s quantize), int4 (``hf_specdec.models.int4``: every decoder
-Linear in 4 bits, the output layer in bf16), int4+head (the output layer in 4 bits too; not a load format:
-hf_specdec reads a draft's float output layer), and with ``--nf4`` bitsandbytes NF4.
+Formats (``--formats``): fp32, bf16, dynamic-int8 (``load_model``'s quantize), int4 (``hf_specdec.models.int4``:
+every decoder Linear in 4 bits, the output layer in bf16), int4+head (the output layer in 4 bits too; not a load
+format: hf_specdec reads a draft's float output layer), nf4 (bitsandbytes, not in the default list).
 
 Timing: one cached step, one new token on top of a ``--context``-token cache of real prompt tokens, rolled back
 after each step; per format twice: with the full output layer (what the hardware profile measures) and with the
@@ -41,21 +43,21 @@ from hf_specdec.drafters.draft_model import SubVocabHead  # noqa: E402
 from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
 from hf_specdec.models.hardware import footprint_bytes, machine_record  # noqa: E402
 from hf_specdec.models.int4 import quantize_int4  # noqa: E402
+from hf_specdec.models.refs import load_tokenizer, resolve_reference  # noqa: E402
 
 NARROW = 32768  # SpecConfig.draft_vocab_size "auto" for a vocabulary over 65536
 
 
-def load_drafts(nf4: bool) -> dict:
-    drafts = {"fp32": load_model(DEFAULT_DRAFT, dtype="fp32", progress=False).model,
-              "bf16": load_model(DEFAULT_DRAFT, dtype="bf16", progress=False).model,
-              "dynamic-int8": load_model(DEFAULT_DRAFT, quantize="dynamic-int8", progress=False).model,
-              "int4": load_model(DEFAULT_DRAFT, quantize="int4", progress=False).model}
-    headed = load_model(DEFAULT_DRAFT, dtype="bf16", progress=False).model
-    quantize_int4(headed, lm_head=True)
-    drafts["int4+head"] = headed
-    if nf4:
-        drafts["nf4"] = load_model(DEFAULT_DRAFT, quantize="4bit", progress=False).model
-    return drafts
+FORMATS = ("fp32", "bf16", "dynamic-int8", "int4", "int4+head", "nf4")
+LOAD_ARGS = {"fp32": dict(dtype="fp32"), "bf16": dict(dtype="bf16"), "dynamic-int8": dict(quantize="dynamic-int8"),
+             "int4": dict(quantize="int4"), "int4+head": dict(dtype="bf16"), "nf4": dict(quantize="4bit")}
+
+
+def load_draft(name: str):
+    model = load_model(DEFAULT_DRAFT, progress=False, **LOAD_ARGS[name]).model
+    if name == "int4+head":
+        quantize_int4(model, lm_head=True)
+    return model
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[torch.LongTensor]:
@@ -127,11 +129,15 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="steps per timing sample (5)")
     parser.add_argument("--context", type=int, default=100, help="cached tokens before the timed step (100)")
     parser.add_argument("--read", type=int, default=64, help="prompt-read (prefill) tokens timed (64)")
-    parser.add_argument("--nf4", action="store_true", help="also time bitsandbytes NF4")
+    parser.add_argument("--formats", default="fp32,bf16,dynamic-int8,int4,int4+head",
+                        help=f"comma-separated, of {', '.join(FORMATS)} (default: all but nf4)")
     parser.add_argument("--skip-agreement", action="store_true", help="timing only")
     parser.add_argument("--skip-timing", action="store_true", help="agreement only")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=None, help="directory for int4_draft.json")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     rows = [json.loads(line) for line in (ROOT / "bench" / "heldout.jsonl").read_text().splitlines() if line.strip()]
     # alternate completions and edits
@@ -141,28 +147,44 @@ def main(argv=None) -> int:
     result: dict = {"machine": machine_record("cpu"), "args": {k: str(v) for k, v in vars(args).items()},
                     "prompts": [r["id"] for r in chosen]}
 
-    target, tokenizer, _ = load_model(DEFAULT_TARGET, dtype="fp32", progress=False)
+    tokenizer = load_tokenizer(resolve_reference(DEFAULT_TARGET, progress=False))
     prompts = prompt_ids(tokenizer, chosen)
     sequences, target_tokens = [], []
-    if not args.skip_agreement:
+    saved = args.out / "target_continuations.pt" if args.out else None  # reused: 30 min on a busy 2-core CPU
+    if not args.skip_agreement and saved is not None and saved.exists():
+        stored = torch.load(saved)
+        assert stored["prompts"] == result["prompts"] and stored["new"] == args.new, "another run's continuations"
+        sequences = stored["sequences"]
+    elif not args.skip_agreement:
+        target = load_model(DEFAULT_TARGET, dtype="fp32", progress=False).model
         t0 = time.perf_counter()
         for ids in prompts:
-            out = type(target).generate(target, ids, max_new_tokens=args.new, do_sample=False,
-                                        attention_mask=torch.ones_like(ids))
-            sequences.append(out)
-            target_tokens.append(out[0, ids.shape[1]:])
+            sequences.append(type(target).generate(target, ids, max_new_tokens=args.new, do_sample=False,
+                                                   attention_mask=torch.ones_like(ids)))
         print(f"target continuations: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    del target
-    gc.collect()
+        del target
+        gc.collect()
+        if saved is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            torch.save({"prompts": result["prompts"], "new": args.new, "sequences": sequences}, saved)
+    target_tokens = [seq[0, ids.shape[1]:] for seq, ids in zip(sequences, prompts)]
 
-    drafts = load_drafts(args.nf4)
+    names = args.formats.split(",")
+    unknown = set(names) - set(FORMATS)
+    if unknown:
+        parser.error(f"--formats: unknown {', '.join(sorted(unknown))}")
+    drafts = {name: load_draft(name) for name in names}
     result["footprint_bytes"] = {name: footprint_bytes(m) for name, m in drafts.items()}
     if not args.skip_agreement:
         lengths = [ids.shape[1] for ids in prompts]
-        _, _, reference = agreement(drafts["fp32"], sequences, lengths, target_tokens)
+        reference_model = drafts["fp32"] if "fp32" in drafts else load_draft("fp32")
+        fp32_with_target, _, reference = agreement(reference_model, sequences, lengths, target_tokens)
+        del reference_model
+        gc.collect()
         result["agreement"] = {}
         for name, model in drafts.items():
-            with_target, with_fp32, _ = agreement(model, sequences, lengths, target_tokens, reference)
+            with_target, with_fp32, _ = (agreement(model, sequences, lengths, target_tokens, reference)
+                                         if name != "fp32" else (fp32_with_target, 1.0, None))
             result["agreement"][name] = {"target": with_target, "fp32_draft": with_fp32,
                                          "positions": sum(t.numel() for t in target_tokens)}
             print(f"agreement {name:13s} target {with_target:.3f}  fp32 draft {with_fp32:.3f}", file=sys.stderr)
