@@ -147,6 +147,17 @@ class DraftStart:
             raise ValueError(f"start {spec!r}: the layer count must be an integer ({START_FORMS})")
         return cls(_start_kind(kind), int(layers) if layers else None)
 
+    def layer_indices(self, total: int) -> list[int]:
+        """The decoder layers of a ``total``-layer model this start keeps (every one for ``draft``; the first
+        N for ``config``, whose weights are random).
+
+        >>> DraftStart.parse("draft_spread:3").layer_indices(24)
+        [0, 12, 23]
+        """
+        if self.kind is StartKind.DRAFT:
+            return list(range(total))
+        return (spread_layers if self.kind is StartKind.DRAFT_SPREAD else first_layers)(total, self.layers)
+
     def __str__(self) -> str:
         return self.kind.value if self.layers is None else f"{self.kind.value}:{self.layers}"
 
@@ -199,17 +210,23 @@ def _layer_list_prefix(model) -> str:
     return f"{parent_name}.{name}" if parent_name else name
 
 
-def keep_layers(model, keep: Sequence[int]):
-    """A new fp32 model of ``model``'s class holding decoder layers ``keep`` (in that order) and every other
-    weight (embeddings, final norm, lm_head) copied: ``model`` is untouched. Per-layer config lists
-    (``layer_types``) are cut to match, so caches and sliding windows follow the kept layers."""
-    config = copy.deepcopy(model.config)
+def cut_config(config, keep: Sequence[int]):
+    """A copy of ``config`` with decoder layers ``keep``: the layer count, and every per-layer list
+    (``layer_types``) cut to match, so caches and sliding windows follow the kept layers."""
+    config = copy.deepcopy(config)
     text = text_config(config)
     total = int(text.num_hidden_layers)
     for name, value in list(vars(text).items()):
         if isinstance(value, (list, tuple)) and len(value) == total and not name.startswith("_"):
             setattr(text, name, type(value)(value[i] for i in keep))
     text.num_hidden_layers = len(keep)
+    return config
+
+
+def keep_layers(model, keep: Sequence[int]):
+    """A new fp32 model of ``model``'s class holding decoder layers ``keep`` (in that order) and every other
+    weight (embeddings, final norm, lm_head) copied: ``model`` is untouched (``cut_config`` for the config)."""
+    config = cut_config(model.config, keep)
     prefix = _layer_list_prefix(model) + "."
     new_index = {old: new for new, old in enumerate(keep)}
     state = {}
@@ -239,28 +256,22 @@ def fit_vocab(drafter, rows: int):
     return drafter
 
 
-def build_start(start: DraftStart, target, draft=None, *, seed: int = 0):
-    """The drafter ``start`` describes, as a new fp32 model with the target's vocabulary rows (see ``StartKind``).
-    Neither ``target`` nor ``draft`` is modified."""
+def build_start(start: DraftStart, target, draft=None, *, seed: int = 0, rows: int | None = None):
+    """The drafter ``start`` describes, as a new fp32 model with the target's vocabulary rows (see ``StartKind``;
+    ``rows`` gives them when ``target`` is None, which a ``draft*`` start allows). Neither ``target`` nor
+    ``draft`` is modified."""
     if start.kind.needs_draft and draft is None:
         raise ValueError(f"start {str(start)!r} needs a draft model to start from; pass one (or use target_first:N "
                          "or config:N)")
     if start.kind is StartKind.DRAFT:
         drafter = copy.deepcopy(draft).float().eval()
     elif start.kind in (StartKind.DRAFT_SPREAD, StartKind.DRAFT_FIRST):
-        total = int(text_config(draft.config).num_hidden_layers)
-        pick = spread_layers if start.kind is StartKind.DRAFT_SPREAD else first_layers
-        drafter = keep_layers(draft, pick(total, start.layers))
+        drafter = keep_layers(draft, start.layer_indices(int(text_config(draft.config).num_hidden_layers)))
     elif start.kind is StartKind.TARGET_FIRST:
-        drafter = keep_layers(target, first_layers(int(text_config(target.config).num_hidden_layers), start.layers))
+        drafter = keep_layers(target, start.layer_indices(int(text_config(target.config).num_hidden_layers)))
     else:
-        config = copy.deepcopy(target.config)
+        config = cut_config(target.config, start.layer_indices(int(text_config(target.config).num_hidden_layers)))
         text = text_config(config)
-        total = int(text.num_hidden_layers)
-        for name, value in list(vars(text).items()):
-            if isinstance(value, (list, tuple)) and len(value) == total and not name.startswith("_"):
-                setattr(text, name, type(value)(value[:start.layers]))
-        text.num_hidden_layers = start.layers
         for name, value in start.overrides.items():
             if not hasattr(text, name):
                 raise ValueError(f"config override {name!r}: {type(text).__name__} has no such field")
@@ -270,7 +281,7 @@ def build_start(start: DraftStart, target, draft=None, *, seed: int = 0):
             drafter = type(target)(config)
         drafter.generation_config = copy.deepcopy(target.generation_config)
         drafter = drafter.float().eval()
-    return fit_vocab(drafter, vocab_rows(target))
+    return fit_vocab(drafter, rows if rows is not None else vocab_rows(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -433,48 +444,138 @@ def encode_prompts(prompts: Sequence[str | Sequence[int]], tokenizer, max_prompt
 
 @torch.no_grad()
 def continue_prompts(target, prompts: Sequence[Sequence[int]], new_tokens: int, fmt: TeacherFormat, *,
-                     pad_token_id: int | None = None, progress: Callable[[int], None] | None = None) -> list[Example]:
-    """The target's greedy continuation of each prompt (plain ``generate``, one prompt at a time, as a user's
-    greedy call would run) with its teacher rows, taken from the logits ``generate`` computed anyway."""
+                     pad_token_id: int | None = None, batch_size: int = 8,
+                     progress: Callable[[int], None] | None = None) -> list[Example]:
+    """The target's greedy continuation of each prompt (plain ``generate``) with its teacher rows, taken from the
+    logits ``generate`` computed anyway. Prompts of one length are continued together, up to ``batch_size`` rows
+    of one ``generate`` with no padding (the same greedy tokens, up to float rounding of batched matmuls); others
+    one at a time. A row that ends at EOS is cut after it."""
     device = next(target.parameters()).device
-    examples = []
+    eos = target.generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    by_length: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
-        ids = torch.tensor([list(prompt)], device=device)
-        out = type(target).generate(target, ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=new_tokens, return_dict_in_generate=True, output_logits=True,
-                                    pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None)
-        new = out.sequences[0, ids.shape[1]:]
-        logits = torch.cat(out.logits, dim=0)[: new.shape[0]]  # [t, V]
-        examples.append(Example(out.sequences[0].cpu(), ids.shape[1], teacher_rows(logits, fmt)))
-        if progress is not None:
-            progress(i + 1)
+        by_length.setdefault(len(prompt), []).append(i)
+    examples: list[Example | None] = [None] * len(prompts)
+    done = 0
+    for length, indices in by_length.items():
+        for first in range(0, len(indices), batch_size):
+            chunk = indices[first:first + batch_size]
+            ids = torch.tensor([list(prompts[i]) for i in chunk], device=device)
+            out = type(target).generate(target, ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=new_tokens, return_dict_in_generate=True, output_logits=True,
+                                        pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None)
+            logits = torch.stack(out.logits, dim=1)  # [b, steps, V]
+            for row, i in enumerate(chunk):
+                new = out.sequences[row, length:].tolist()
+                end = next((j + 1 for j, token in enumerate(new) if token in eos), len(new))
+                examples[i] = Example(out.sequences[row, :length + end].cpu(), length,
+                                      teacher_rows(logits[row, :end], fmt))
+            done += len(chunk)
+            if progress is not None:
+                progress(done)
     return examples
 
 
-def _data_key(target, prompts: Sequence[Sequence[int]], new_tokens: int, fmt: TeacherFormat) -> str:
-    """What the teacher cache depends on: the target (config and a weight checksum), the prompts, the length
-    and the format."""
-    weight = target.get_input_embeddings().weight
-    text = json.dumps({"config": target.config.to_dict(), "weights": float(weight.detach().float().sum()),
-                       "prompts": [list(p) for p in prompts], "new_tokens": new_tokens,
-                       "format": dataclasses.asdict(fmt)}, sort_keys=True, default=str)
+def _prompts_key(prompts: Sequence[Sequence[int]], train: int, new_tokens: int) -> str:
+    """The data without the target: prompt ids, where training ends and held-out begins, the length."""
+    text = json.dumps({"prompts": [list(p) for p in prompts], "train": train, "new_tokens": new_tokens})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _save_examples(path: Path, key: str, examples: Sequence[Example]) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"key": key, "examples": [(e.ids, e.prompt_len, e.teacher.logprobs, e.teacher.ids)
-                                         for e in examples]}, tmp)
-    tmp.replace(path)
+def _data_key(target, prompts_key: str, fmt: TeacherFormat) -> str:
+    """What the teacher depends on: the target (config and a weight checksum), the data, the format."""
+    weight = target.get_input_embeddings().weight
+    text = json.dumps({"config": target.config.to_dict(), "weights": float(weight.detach().float().sum()),
+                       "data": prompts_key, "format": dataclasses.asdict(fmt)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _load_examples(path: Path, key: str) -> list[Example] | None:
-    if not path.is_file():
-        return None
-    data = torch.load(path, weights_only=True)
-    if data.get("key") != key:
-        return None
-    return [Example(ids, plen, TeacherRows(lp, tid)) for ids, plen, lp, tid in data["examples"]]
+@dataclass(frozen=True)
+class Teacher:
+    """The target's continuations of the training and the held-out prompts, with its rows (``Example``);
+    ``key``: target + prompts + length + format (a checkpoint records it); ``vocab_rows`` and ``target_params``:
+    the target's, so training needs no target in memory; ``seconds``: generating them (0.0 when read)."""
+
+    train: tuple[Example, ...]
+    heldout: tuple[Example, ...]
+    format: TeacherFormat
+    key: str
+    prompts_key: str
+    vocab_rows: int
+    target_params: int
+    seconds: float = 0.0
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"key": self.key, "prompts_key": self.prompts_key, "vocab_rows": self.vocab_rows,
+                    "target_params": self.target_params, "format": dataclasses.asdict(self.format),
+                    "train": len(self.train),
+                    "examples": [(e.ids, e.prompt_len, e.teacher.logprobs, e.teacher.ids)
+                                 for e in (*self.train, *self.heldout)]}, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Teacher | None":
+        if not path.is_file():
+            return None
+        data = torch.load(path, weights_only=True)
+        examples = tuple(Example(ids, plen, TeacherRows(lp, tid)) for ids, plen, lp, tid in data["examples"])
+        return cls(examples[: data["train"]], examples[data["train"]:], TeacherFormat(**data["format"]), data["key"],
+                   data["prompts_key"], data["vocab_rows"], data["target_params"])
+
+
+def _split(prompts, heldout, tokenizer, max_prompt_tokens) -> tuple[list[list[int]], list[list[int]]]:
+    train = encode_prompts(prompts, tokenizer, max_prompt_tokens)
+    if heldout is not None:
+        return train, encode_prompts(heldout, tokenizer, max_prompt_tokens)
+    if len(train) < 2:
+        raise ValueError("distill needs at least 2 prompts (one is held out), or heldout= prompts")
+    cut = len(train) - max(1, len(train) // 5)
+    return train[:cut], train[cut:]
+
+
+def prepare_teacher(target, prompts: Sequence[str | Sequence[int]], *, tokenizer=None,
+                    heldout: Sequence[str | Sequence[int]] | None = None, continuation_tokens: int = 32,
+                    max_prompt_tokens: int | None = None, teacher_memory_bytes: int = 1 << 30,
+                    teacher_top_k: int = 64, output_dir: str | Path | None = None, progress: bool = True) -> Teacher:
+    """The target's continuations of ``prompts`` (and ``heldout``; without them the last fifth of ``prompts``,
+    at least one) with their teacher rows, read from ``output_dir/teacher.pt`` when it holds this target's
+    continuations of the same prompts and length, else generated (and written there).
+
+    ``target`` None reads them without the target (a machine that cannot hold target and training together:
+    continue the prompts once with the target, then train in another process): ``output_dir/teacher.pt`` must
+    hold continuations of the same prompts and length."""
+    train_ids, heldout_ids = _split(prompts, heldout, tokenizer, max_prompt_tokens)
+    all_ids = [*train_ids, *heldout_ids]
+    prompts_key = _prompts_key(all_ids, len(train_ids), continuation_tokens)
+    path = None if output_dir is None else Path(output_dir) / TEACHER_FILE
+    cached = Teacher.load(path) if path is not None else None
+    if target is None:
+        if cached is None or cached.prompts_key != prompts_key:
+            why = "there is none" if cached is None else "it holds continuations of other prompts or lengths"
+            raise ValueError(f"target=None reads the target's continuations from output_dir/{TEACHER_FILE}, but "
+                             f"{why} ({path}); run once with the target (prepare_teacher or distill) first")
+        _log(progress, f"target continuations read from {path}")
+        return cached
+    rows = vocab_rows(target)
+    fmt = choose_teacher_format(len(all_ids) * continuation_tokens, rows, teacher_memory_bytes, teacher_top_k)
+    key = _data_key(target, prompts_key, fmt)
+    if cached is not None and cached.key == key:
+        _log(progress, f"target continuations read from {path}")
+        return cached
+    bar = _Progress(len(all_ids), 0, progress, "target continuations")
+    t0 = time.perf_counter()
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    pad = pad if pad is not None else target.generation_config.pad_token_id
+    examples = continue_prompts(target, all_ids, continuation_tokens, fmt, pad_token_id=pad, progress=bar.update)
+    bar.close()
+    teacher = Teacher(tuple(examples[: len(train_ids)]), tuple(examples[len(train_ids):]), fmt, key, prompts_key,
+                      rows, sum(p.numel() for p in target.parameters()), time.perf_counter() - t0)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        teacher.save(path)
+    return teacher
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -727,7 +828,8 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
     available; the target runs where it is.
 
     With ``output_dir``: the continuations are cached in ``teacher.pt`` (reused when target, prompts and
-    length match), the latest checkpoint is written every ``save_every`` steps to ``checkpoint/`` (``resume=True``
+    length match; ``target=None`` trains a ``draft*`` start from them without the target in memory, see
+    ``prepare_teacher``), the latest checkpoint is written every ``save_every`` steps to ``checkpoint/`` (``resume=True``
     continues from it, refusing other settings; ``steps`` may grow), and the trained drafter is saved to
     ``output_dir`` itself with the tokenizer (``load_model(output_dir)`` and ``generate(assistant_model=)``
     take it) beside ``distill_report.json``.
@@ -740,6 +842,12 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
             raise ValueError(f"{name}={value!r} is invalid: use an int >= {low}")
     if resume and output_dir is None:
         raise ValueError("resume=True needs the output_dir= of the run to resume")
+    if target is None and not start.kind.needs_draft:
+        raise ValueError(f"start {str(start)!r} builds on the target: pass it (target=None trains a draft* start "
+                         f"from cached continuations)")
+    if target is None and output_dir is None:
+        raise ValueError(f"target=None reads the target's continuations from output_dir/{TEACHER_FILE}: pass "
+                         "output_dir=")
     if start.kind.needs_draft and drafter is None:
         raise ValueError(f"start {str(start)!r} needs a draft model to start from; pass one (or use target_first:N "
                          "or config:N)")
@@ -751,37 +859,16 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
         out.mkdir(parents=True, exist_ok=True)
 
     # -- the data: generated once, cached ----------------------------------------------------------------------
-    train_ids = encode_prompts(prompts, tokenizer, max_prompt_tokens)
-    if heldout is None:
-        if len(train_ids) < 2:
-            raise ValueError("distill needs at least 2 prompts (one is held out), or heldout= prompts")
-        cut = len(train_ids) - max(1, len(train_ids) // 5)
-        train_ids, heldout_ids = train_ids[:cut], train_ids[cut:]
-    else:
-        heldout_ids = encode_prompts(heldout, tokenizer, max_prompt_tokens)
-    rows = vocab_rows(target)
-    all_ids = [*train_ids, *heldout_ids]
-    fmt = choose_teacher_format(len(all_ids) * continuation_tokens, rows, teacher_memory_bytes, teacher_top_k)
-    key = _data_key(target, all_ids, continuation_tokens, fmt)
-    examples = _load_examples(out / TEACHER_FILE, key) if out is not None else None
-    teacher_s = 0.0
-    if examples is None:
-        bar = _Progress(len(all_ids), 0, progress, "target continuations")
-        t0 = time.perf_counter()
-        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        pad = pad if pad is not None else target.generation_config.pad_token_id
-        examples = continue_prompts(target, all_ids, continuation_tokens, fmt, pad_token_id=pad,
-                                    progress=bar.update)
-        teacher_s = time.perf_counter() - t0
-        bar.close()
-        if out is not None:
-            _save_examples(out / TEACHER_FILE, key, examples)
-    else:
-        _log(progress, f"target continuations read from {out / TEACHER_FILE}")
-    train, held = examples[: len(train_ids)], examples[len(train_ids):]
-    train = [e for e in train if e.new_tokens > 0]
-    if not train:
-        raise ValueError("the target produced no continuation tokens for any training prompt (EOS at once?)")
+    data = prepare_teacher(target, prompts, tokenizer=tokenizer, heldout=heldout,
+                           continuation_tokens=continuation_tokens, max_prompt_tokens=max_prompt_tokens,
+                           teacher_memory_bytes=teacher_memory_bytes, teacher_top_k=teacher_top_k,
+                           output_dir=out, progress=progress)
+    rows, key, fmt = data.vocab_rows, data.key, data.format
+    train = [e for e in data.train if e.new_tokens > 0]
+    held = [e for e in data.heldout if e.new_tokens > 0]
+    if not train or not held:
+        raise ValueError("the target produced no continuation tokens for any training (or held-out) prompt "
+                         "(EOS at once?)")
 
     # -- the drafter: a checkpoint, or the start ---------------------------------------------------------------
     settings = {"loss": loss.value, "start": str(start), "lr": lr, "batch_size": batch_size, "seed": seed,
@@ -794,7 +881,7 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
     else:
         if resume:
             _log(progress, f"resume=True but no checkpoint in {out}: starting at step 0")
-        model = build_start(start, target, drafter, seed=seed)
+        model = build_start(start, target, drafter, seed=seed, rows=rows)
         state = None
     model.to(device)
     params = _freeze(model, freeze)
@@ -846,10 +933,10 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
     held_score, train_score = score(model, held, device), score(model, train, device)
     report = DistillReport(
         loss=loss.value, start=str(start), steps=step, tokens=tokens, input_tokens=input_tokens, wall_s=wall,
-        teacher_s=teacher_s, teacher_format=str(fmt), continuation_tokens=continuation_tokens,
+        teacher_s=data.seconds, teacher_format=str(fmt), continuation_tokens=continuation_tokens,
         train_sequences=len(train), heldout_sequences=len(held), device=str(device),
         drafter_params=sum(p.numel() for p in model.parameters()),
-        target_params=sum(p.numel() for p in target.parameters()),
+        target_params=data.target_params,
         agreement_before=before["agreement"], agreement_after=held_score.agreement, tvd_before=before["tvd"],
         tvd_after=held_score.tvd, expected_tokens_before={int(k): v for k, v in before["expected"].items()},
         expected_tokens_after=held_score.expected(), train_agreement_before=train_before,

@@ -87,6 +87,24 @@ def test_resume_continues_to_the_same_drafter(teacher, run, tmp_path):
     assert resumed.agreement_before == report.agreement_before  # the start's scores travel with the checkpoint
 
 
+def test_training_without_the_target_reads_its_cached_continuations(run, tmp_path):
+    """target=None (a machine that cannot hold target and training at once): the continuations come from
+    teacher.pt, and without one the run is refused before anything is built."""
+    report, out = run
+    data = prompts()
+    with pytest.raises(ValueError, match=r"target=None reads the target's continuations from "
+                                         r"output_dir/teacher.pt, but there is none"):
+        distill(None, tiny_model("llama", seed=1), data[:16], heldout=data[16:], steps=2, output_dir=tmp_path,
+                **{**RUN, "start": "draft_first:1"})
+    shutil.copy(out / distill_module.TEACHER_FILE, tmp_path / distill_module.TEACHER_FILE)
+    alone = distill(None, tiny_model("llama", seed=1), data[:16], heldout=data[16:], steps=2, output_dir=tmp_path,
+                    **{**RUN, "start": "draft_first:1"})
+    assert alone.teacher_s == 0.0 and alone.target_params == report.target_params and alone.steps == 2
+    assert alone.heldout_sequences == 8 and alone.teacher_format == report.teacher_format
+    with pytest.raises(ValueError, match=r"start 'config:1' builds on the target: pass it"):
+        distill(None, None, data[:16], heldout=data[16:], steps=2, output_dir=tmp_path, **RUN)
+
+
 def test_resume_refuses_other_settings(teacher, run, tmp_path):
     _, out = run
     data = prompts()
@@ -117,6 +135,23 @@ def test_saved_drafter_loads_and_drafts_with_greedy_parity(teacher, run, monkeyp
     assert torch.equal(out_ids, expected)
     stats = model.last_spec_stats.get()
     assert stats.drafted > 0 and stats.accepted > 0, stats.summary()
+
+
+def test_continuations_batched_by_length_are_the_one_at_a_time_ones():
+    from hf_specdec.distill import TeacherFormat, continue_prompts
+
+    model = tiny_model("llama", seed=0)
+    data = prompts(5) + [prompts(1, seed=3)[0][:5]]  # five of 8 tokens, one of 5
+    fmt = TeacherFormat(None, "float32")
+    together, alone = (continue_prompts(model, data, 10, fmt, batch_size=b) for b in (4, 1))
+    for a, b in zip(together, alone):
+        assert torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len
+        assert torch.allclose(a.teacher.logprobs, b.teacher.logprobs, atol=1e-5)
+    stop = int(alone[0].ids[8 + 3])  # the 4th token of the first continuation ends the text from now on
+    model.generation_config.eos_token_id = stop
+    cut = continue_prompts(model, data[:4], 10, fmt, batch_size=4)[0]
+    assert cut.new_tokens == 1 + alone[0].ids[8:].tolist().index(stop) and int(cut.ids[-1]) == stop
+    assert cut.teacher.logprobs.shape[0] == cut.new_tokens
 
 
 def test_top_k_teacher_rows_train_too(teacher):
