@@ -15,4 +15,4 @@ from hf_specdec.integration import route_generate
 
 def generate(model, *args, **kwargs):
     kwargs = {key: value for key, value in kwargs.items() if value is not None}
-    return route_generate(functools.partial(GenerationMixin.generate, model), *args, **kwargs)
+    return route_generate(functools.partial(GenerationMixin.generate, model), *args, model=model, **kwargs)

@@ -15,11 +15,12 @@ its own decoding method. hf_specdec uses that seam and nothing private:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
 from . import cache as kv
@@ -195,8 +196,6 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             f"(num_beams={generation_config.num_beams}, num_return_sequences="
             f"{generation_config.num_return_sequences}); set both to 1."
         )
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("hf_specdec needs input_ids, not inputs_embeds.")
     returned = bool(generation_config.return_dict_in_generate)
     for flag, what in (("output_attentions", "attention weights"), ("output_hidden_states", "hidden states")):
         if returned and (getattr(generation_config, flag, False) or model_kwargs.get(flag)):
@@ -253,17 +252,50 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
 _LOOP_INPUTS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
                           "output_attentions", "output_hidden_states"})
 _DROP_HINTS = {"token_type_ids": " (e.g. tokenizer(..., return_token_type_ids=False))"}
+# inputs generate() builds from the caller's own before a custom_generate callable sees them: named in a refusal
+# by what the caller passed
+_MADE_BY_GENERATE = {
+    "mm_encoder_outputs": "the image / video inputs (pixel_values, ...), which generate() encoded into "
+                          "mm_encoder_outputs,",
+    "encoder_outputs": "the encoder inputs, which generate() encoded into encoder_outputs,",
+}
 
 
 def _check_model_inputs(model_kwargs: dict) -> None:
-    """Refuse a model input the loop would not pass to the model (before any forward)."""
+    """Refuse a model input the loop would not pass to the model (before any forward of the loop)."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("hf_specdec needs input_ids, not inputs_embeds: pass input_ids=, or use plain generate().")
     for name, value in model_kwargs.items():
         if name in _LOOP_INPUTS or value is None:
             continue
+        what = _MADE_BY_GENERATE.get(name, name)
         raise ValueError(
-            f"hf_specdec does not pass {name} to the model yet, so its output would differ from plain generate(); "
-            f"drop it{_DROP_HINTS.get(name, '')} if your model ignores it, or use plain generate()."
+            f"hf_specdec does not pass {what} to the model yet, so its output would differ from plain generate(); "
+            f"drop {'them' if name in _MADE_BY_GENERATE else 'it'}{_DROP_HINTS.get(name, '')} if your model ignores "
+            f"{'them' if name in _MADE_BY_GENERATE else 'it'}, or use plain generate()."
         )
+
+
+# generate()'s own arguments and the generation config's fields: everything else a caller passes is a model input
+_GENERATE_ARGUMENTS = (frozenset(inspect.signature(GenerationMixin.generate).parameters)
+                       | frozenset(GenerationConfig().to_dict())
+                       | {"input_ids", "tokenizer", "assistant_tokenizer", "stop_strings", "trust_remote_code"})
+
+
+def _refuse_up_front(model, mode: str, args: tuple, kwargs: dict) -> None:
+    """What the callable would refuse, refused before generate() runs anything: a model (or draft) hf_specdec
+    cannot run exactly, and the model inputs the model's forward names that the loop does not pass. Without this,
+    generate() would first run an encoder or encode images, or a class's own generate() its own steps. Inputs the
+    forward does not name are left to generate()'s own validation (a typo) and to the callable's check."""
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    rows = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+    check_supported(model, mode, rows)
+    draft = kwargs.get("assistant_model")
+    if mode == "speculative" and draft is not None and not hasattr(draft, "propose"):
+        check_supported(draft, mode, rows, role="draft")
+    forward = frozenset(inspect.signature(type(model).forward).parameters)
+    _check_model_inputs({name: value for name, value in kwargs.items()
+                         if name not in _GENERATE_ARGUMENTS and (name in forward or name == "inputs_embeds")})
 
 
 def _check_positions(input_ids, mask, positions, generation_config) -> None:
@@ -326,16 +358,20 @@ def enable(model):
         stats_holder(model).set(None)  # this thread's latest call's stats: none for a plain call or one that raises
         kwargs.setdefault("lookahead_memory", model.lookahead_memory)
         kwargs.setdefault("speculative_memory", model.speculative_memory)
-        return route_generate(original, *args, **kwargs)
+        return route_generate(original, *args, model=model, **kwargs)
 
     setattr(generate, _ENABLED, True)
     model.generate = generate
     return model
 
 
-def route_generate(original, *args, assistant_model=None, decoding=None, spec_config=None, lookahead_config=None,
-                   lookahead_memory=None, speculative_memory=None, **kwargs):
-    """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``decoding``, to ``original``."""
+def route_generate(original, *args, model=None, assistant_model=None, decoding=None, spec_config=None,
+                   lookahead_config=None, lookahead_memory=None, speculative_memory=None, **kwargs):
+    """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``decoding``, to ``original``.
+
+    ``model`` (the model ``original`` generates with) lets a call hf_specdec would refuse be refused before
+    ``original`` runs anything (``_refuse_up_front``); without it the refusals come from the callable, after
+    generate()'s own preparation."""
     mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
     if mode is None:
         if spec_config is not None or lookahead_config is not None:
@@ -348,6 +384,8 @@ def route_generate(original, *args, assistant_model=None, decoding=None, spec_co
         # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
         logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
         return original(*args, assistant_model=assistant_model, **kwargs)
+    if model is not None:
+        _refuse_up_front(model, mode, args, {**kwargs, "assistant_model": assistant_model})
     streamer = kwargs.pop("streamer", None)
     _move_stop_strings(kwargs)
     if mode == "lookahead":

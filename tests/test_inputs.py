@@ -155,3 +155,88 @@ def test_output_logits_equal_plain_generate(llama, prompt, mode, kwargs):
     assert torch.allclose(torch.cat(out.scores), torch.cat(expected.scores), atol=1e-4)
     if kwargs:
         assert not torch.allclose(torch.cat(out.logits), torch.cat(out.scores))
+
+
+# -- refused before generate() runs anything ------------------------------------------------------------------------
+class CountAllForwards:
+    """Counts every module forward anywhere (an image encoder or a text encoder run by generate() included)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, module, args):
+        self.count += 1
+
+    def __enter__(self):
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+IMAGE_TOKEN = 95
+
+
+@pytest.fixture(scope="module")
+def llava():
+    """A tiny Llava: a 16x16 image is 4 patches, so 4 image tokens in the prompt."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=16, patch_size=8),
+        text_config=LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
+                                pad_token_id=None),
+        image_token_id=IMAGE_TOKEN)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    return hf_specdec.enable(model)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_image_inputs_are_refused_by_their_name_before_the_image_is_encoded(llava, mode):
+    prompt = torch.tensor([[IMAGE_TOKEN] * 4 + [5, 17, 42, 8]])
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        seen, blind = llava(input_ids=prompt, pixel_values=pixels).logits, llava(input_ids=prompt).logits
+    assert not torch.allclose(seen, blind, atol=1e-3)  # the model reads the image: dropping it would change outputs
+    with CountAllForwards() as forwards, pytest.raises(
+            ValueError, match=r"hf_specdec does not pass pixel_values to the model yet, so its output would differ "
+                              r"from plain generate\(\); drop it if your model ignores it, or use plain generate\(\)\."):
+        llava.generate(prompt, pixel_values=pixels, max_new_tokens=8, do_sample=False, **modes(llava)[mode])
+    assert forwards.count == 0  # generate() would have run the vision tower before a refusal from the callable
+
+
+def test_image_inputs_generate_encoded_are_named_as_the_callers(llama, prompt):
+    """Through the callable (no enable), generate() has already turned pixel_values into mm_encoder_outputs: the
+    refusal names what the caller passed."""
+    config = GenerationConfig(num_beams=1, num_return_sequences=1, do_sample=False, max_length=40, use_cache=True)
+    with pytest.raises(ValueError, match=r"hf_specdec does not pass the image / video inputs \(pixel_values, \.\.\.\), "
+                                         r"which generate\(\) encoded into mm_encoder_outputs, to the model yet.*; "
+                                         r"drop them if your model ignores them, or use plain generate\(\)\."):
+        hf_specdec.lookahead_generate(llama, prompt, logits_processor=None, stopping_criteria=None,
+                                      generation_config=config, mm_encoder_outputs={"image": torch.zeros(1, 4, 64)})
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_an_encoder_decoder_model_is_refused_before_its_encoder_runs(prompt, mode):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    bart = hf_specdec.enable(BartForConditionalGeneration(BartConfig(
+        vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval())
+    routed = dict(assistant_model=bart) if mode == "speculative" else dict(decoding="lookahead")
+    with CountAllForwards() as forwards, pytest.raises(
+            hf_specdec.support.Unsupported, match=rf"cannot run BartForConditionalGeneration \(bart\) with "
+                                                  rf"decoding='{mode}': it is an encoder-decoder model"):
+        bart.generate(prompt, max_new_tokens=4, do_sample=False, **routed)
+    assert forwards.count == 0  # generate() would have run the encoder before a refusal from the callable
+
+
+def test_a_typo_is_left_to_generates_own_validation(llama, prompt):
+    with pytest.raises(ValueError, match=r"The following `model_kwargs` are not used by the model: \['atention_mask'\]"):
+        llama.generate(prompt, atention_mask=torch.ones_like(prompt), max_new_tokens=4, decoding="lookahead")
