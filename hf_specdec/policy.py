@@ -20,12 +20,14 @@ A round, in order (``plan``; queries only, nothing changes state until ``observe
 
 1. Nothing measured at this batch size: a plain step, the reference every other size is compared to.
 2. The draft model (when the drafter has one): k from the adaptive rule below, or 0 with why (does not pay, its
-   prompt read is not repaid, no room), or a probe when one is due and the regret budget covers it.
+   prompt read is not repaid, no room), or a probe when one is due and the regret budget covers it. Where it
+   drafts (and is measured, and this is no probe), a tree of its continuations instead of the chain when the
+   tree is expected to emit more tokens per second (below: trees).
 3. The ready-made candidates (one row, or any batch without a draft model): the trie of their best prefixes by
    learned acceptance, sized by the same price, no wider than its worst case fits in the regret allowance
    (``_affordable``).
-4. Whichever of the chain and the trie is expected to emit more tokens per second runs (the trie also when the
-   chain does not pay: an edit that copies its input needs no draft); neither: a plain step.
+4. Whichever of the draft's chain (or tree) and the trie is expected to emit more tokens per second runs (the
+   trie also when the chain does not pay: an edit that copies its input needs no draft); neither: a plain step.
 5. A lookahead drafter's Jacobi window takes whatever inputs keep the forward within ``window_tolerance`` of its
    cost, while its pool adds tokens.
 
@@ -444,8 +446,9 @@ class Planner:
     # -- decisions (queries: nothing here changes state) ----------------------------------------------------------
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
         """Each row's round: a plain step first (the reference of every size); then the draft model's chain where
-        it pays, the trie of ready-made candidates where that pays more (or the chain does not pay), else a
-        plain step that says why; the Jacobi window (a lookahead drafter's) spends what the forward has spare."""
+        it pays (its tree where that pays more), the trie of ready-made candidates where that pays more still (or
+        the chain does not pay), else a plain step that says why; the Jacobi window (a lookahead drafter's)
+        spends what the forward has spare."""
         rows = len(views)
         if not self.estimates.forward.measured(rows):  # a plain step first: every other size is compared to it
             return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
@@ -458,9 +461,9 @@ class Planner:
         trie = self._trie(price, budgets, offers) if self._candidates(rows) else None
         if decision.k and (price.t_draft is None or decision.probe):  # measure the draft: nothing to compare yet
             return self._chain_plans(price, decision, budgets, offers)
-        tree = self.tree(price, min(budgets)) if decision.k and all(offer.trees for offer in offers) else None
+        tree = self.tree(price, max(budgets)) if decision.k and all(offer.trees for offer in offers) else None
         if tree is not None and not (trie and trie.nodes and self._trie_rate(price, trie) > tree.rate):
-            return [RoundPlan(model_tokens=min(tree.shape.depth, budget), max_tokens=budget,
+            return [RoundPlan(model_tokens=min(tree.shape.depth, budget), max_tokens=budget,  # each row's depth
                               tree=tree.shape if budget > 0 else None) for budget in budgets]
         if decision.k and not (trie and trie.nodes and self._trie_rate(price, trie) > self._best_draft_rate(price)):
             return self._chain_plans(price, decision, budgets, offers)

@@ -110,7 +110,7 @@ class DraftModelDrafter:
         self.rows: list[int] = []  # the batch rows held by the cache, in its order
         self._written: list[list[int]] = []  # per row: the slots written since the last keep
         self._caught_up: list[int] = []  # per row, in a tree round: how many of them hold committed tokens
-        self._node_slots: list[dict[int, int]] = []  # per row, in a tree round: proposal node -> slot
+        self._node_slots: list[dict[int, int]] | None = None  # per row, in a tree round: proposal node -> slot
 
     def prefill(self, views: Sequence[RowView]) -> None:
         """Nothing yet: the draft reads the prompts the first time a plan asks it to draft (``_read``), so a call
@@ -214,7 +214,7 @@ class DraftModelDrafter:
         if any(self._written):  # the last round's update never came (its forward failed): forget what it wrote
             self.cache.discard()
             self._written = [[] for _ in views]
-        self._node_slots = [{} for _ in views]
+        self._node_slots = None  # a chain round, unless it grows trees
         ids = [view.ids.to(self.device) for view in views]
         feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
         if any(plan.tree is not None for plan in plans):
@@ -261,6 +261,7 @@ class DraftModelDrafter:
         trees = [draft_tree.GrownTree(distributions={-1: self._distribution(row_ids, row_logits)})
                  for row_ids, row_logits in zip(ids, logits)]
         self._caught_up = [len(row) for row in self._written]
+        self._node_slots = [{} for _ in plans]
         roots = [row[-1] for row in self._written]
         first = time.perf_counter() - start
 
@@ -287,10 +288,10 @@ class DraftModelDrafter:
         """The slots of row ``row``'s committed tokens, in sequence order, among those written this round: a
         chain's are its written slots; a tree's, the committed tokens it caught up on and then the accepted
         nodes the draft read."""
-        written, nodes = self._written[row], self._node_slots[row] if row < len(self._node_slots) else {}
-        if not nodes:
+        written = self._written[row]
+        if self._node_slots is None:
             return written
-        path = written[: self._caught_up[row]]
+        path, nodes = written[: self._caught_up[row]], self._node_slots[row]
         for node in outcome.accepted:
             if node not in nodes:
                 break
@@ -312,7 +313,7 @@ class DraftModelDrafter:
             self.cache.keep([self._kept_path(r, outcome)[: max(0, end - int(length))]
                              for r, (outcome, end, length) in enumerate(zip(outcomes, ends, self.cache.lengths))])
             self._written = [[] for _ in outcomes]
-            self._node_slots = []
+            self._node_slots = None
             if len(keep) < len(outcomes) and keep:
                 self.cache.select_rows(keep)
                 self._written = [[] for _ in keep]
@@ -325,7 +326,7 @@ class DraftModelDrafter:
         self.cache = None
         self.rows = []
         self._written = []
-        self._node_slots = []
+        self._node_slots = None
 
 
 def _fed(tokens: torch.Tensor) -> RoundLayout:
