@@ -586,8 +586,10 @@ class Planner:
 
     def _tree_seconds(self, price: ForwardPrice, shape: TreeShape) -> float | None:
         """T of a round growing ``shape``: a draft forward per depth over the nodes it reads (every row's), and the
-        target's forward over the last token and every node."""
-        verify = price(1 + shape.num_nodes)
+        target's forward over the last token and every node, past the largest size measured priced as the
+        measured curve continues (``Bound.WORST``): a tree never gets the optimism a chain's next size gets, so
+        where t(n) is steep it is not tried "once" before it is known."""
+        verify = price(1 + shape.num_nodes, Bound.WORST)
         drafts = [self.estimates.draft_seconds(price.rows * width) for width in shape.expanded]
         if verify is None or any(t is None for t in drafts):
             return None

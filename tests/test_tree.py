@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
 
 import pytest
@@ -101,6 +102,10 @@ def test_a_perturbed_draft_partial_acceptance_of_first_and_second_choices(target
     for (_, rank), kept in stats.accepted_by_depth_rank.items():
         kept_by_rank[rank] += kept
     assert kept_by_rank[0] > 0 and kept_by_rank[1] > 0, kept_by_rank  # a second choice was the target's
+    reported = json.loads(json.dumps(stats.to_dict()))  # as the eval harness writes it
+    assert reported["acceptance_by_depth_rank"]["1/0"] == stats.acceptance_by_depth_rank[1, 0]
+    assert reported["tree_rounds"] == stats.tree_rounds and reported["tokens_per_forward"] > 1.0
+    assert "tree rounds" in stats.summary()
 
 
 def test_batch_rows_each_grow_their_own_tree(target, close_draft, monkeypatch):
