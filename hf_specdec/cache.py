@@ -305,33 +305,35 @@ class KVStore:
         Each row's inputs sit at its next positions plus their offsets and see the row's kept columns, each
         other as ``batch`` says and, with ``after`` ([B] slots written since the last keep), the written path
         that ends at ``after[r]`` (that slot and what it saw): the inputs continue it, at its position + 1 +
-        offset. Without ``after`` they see none of the written slots. Returns logits [B, m, V] at ``logits_at``
-        (hidden states on request) and ``slots`` [B, n], the columns the inputs were written at.
+        offset. ``after`` [B, n] gives each input its own path (a tree's frontier, drafted depth by depth: each
+        node continues its parent; ``batch.inner`` is then required). Without ``after`` they see none of the
+        written slots. Returns logits [B, m, V] at ``logits_at`` (hidden states on request) and ``slots`` [B, n],
+        the columns the inputs were written at.
         """
         rows, n = batch.input_ids.shape
         past = self.width + self.num_written
         if after is None:
-            base = self.lengths  # [B]
-            sees_written = torch.zeros(rows, self.num_written, dtype=torch.bool)  # [B, w]
+            base = self.lengths[:, None]  # [B, 1]
+            sees_written = torch.zeros(rows, 1, self.num_written, dtype=torch.bool)  # [B, 1, w]
         else:
-            written = after.cpu() - self.width  # [B] indices among the written columns
+            written = after.cpu().reshape(rows, -1) - self.width  # [B, 1 or n] indices among the written columns
             assert bool((written >= 0).all()) and bool((written < self.num_written).all()), "after: written slots"
-            base = self._positions.gather(1, written[:, None])[:, 0] + 1
-            sees_written = self._sees[torch.arange(rows), written]  # [B, w]
-        positions = base[:, None] + batch.offsets  # [B, n]
+            assert written.shape[1] == 1 or batch.inner is not None, "a path per input needs a 4-D layout"
+            base = self._positions.gather(1, written) + 1  # [B, 1 or n]
+            sees_written = self._sees[torch.arange(rows)[:, None], written]  # [B, 1 or n, w]
+        positions = base + batch.offsets  # [B, n]
         sees_all = self.valid is None and bool(sees_written.all()) and batch.valid is None  # the dense case
-        sees_past = None if sees_all else torch.cat([self._kept_valid(), sees_written], dim=1)  # [B, past]
         new_valid = batch.valid if batch.valid is not None else torch.ones(rows, n, dtype=torch.bool)
         if batch.inner is None:  # chains: the model's own causal mask, over a 2-D mask unless all is visible
             mask = None
             if not sees_all:
+                sees_past = torch.cat([self._kept_valid(), sees_written[:, 0]], dim=1)  # [B, past]
                 mask = torch.cat([sees_past, new_valid], dim=1).long().to(self.device)  # [B, past + n]
             inner = torch.ones(n, n, dtype=torch.bool).tril().expand(rows, n, n) & new_valid[:, None, :]
         else:  # trees: a 4-D mask, True = attend
             inner = batch.inner
-            if sees_past is None:
-                sees_past = torch.ones(rows, past, dtype=torch.bool)
-            full = torch.cat([sees_past[:, None, :].expand(rows, n, past), inner], dim=2)  # [B, n, past + n]
+            kept = self._kept_valid()[:, None, :].expand(rows, n, self.width)
+            full = torch.cat([kept, sees_written.expand(rows, n, self.num_written), inner], dim=2)  # [B, n, past + n]
             mask = self._layer_masks(full, positions, n)
         result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
                             position_ids=positions.to(self.device), attention_mask=mask, hidden=hidden,
@@ -339,7 +341,7 @@ class KVStore:
         w = self.num_written
         sees = torch.zeros(rows, w + n, w + n, dtype=torch.bool)
         sees[:, :w, :w] = self._sees
-        sees[:, w:, :w] = sees_written[:, None, :]
+        sees[:, w:, :w] = sees_written
         sees[:, w:, w:] = inner
         self._sees = sees
         self._positions = torch.cat([self._positions, positions], dim=1)

@@ -8,11 +8,20 @@ CLI flag or a JSON file never passes silently.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 POLICIES = ("adaptive", "fixed", "heuristic")
 Auto = Literal["auto"]
+
+
+class TreeMode(enum.StrEnum):
+    """Whether a draft model's round may verify a tree of its likely continuations (``SpecConfig.tree``)."""
+
+    AUTO = "auto"  # a tree where the planner expects it to emit more tokens per second than the chain
+    ON = "on"  # a tree in every round that drafts (one that branches), whatever the costs say
+    OFF = "off"  # a chain, as before trees
 
 
 def _fail(cls_name: str, field: str, got: Any, allowed: str) -> None:
@@ -82,6 +91,14 @@ class SpecConfig(_FromDict):
         expected-rate rule says pay for their measured extra verify time, and verifies a continuation alone (no
         draft forward) when that beats drafting; fixed and heuristic policies never use it, nor does a batch.
         Verification keeps output exact.
+    tree:
+        ``"auto"`` (default): where a target forward over more tokens costs about what one costs (a GPU, a CPU
+        with bf16 units), a round may verify a tree of the draft's likely continuations (its top choices where it
+        is unsure, grown by cumulative draft probability) in one forward; the planner picks the tree only where
+        it expects more tokens per second than the chain, so where t(n) is steep (fp32 on a CPU) the rounds
+        stay chains. ``"on"``: every round that drafts verifies a tree that branches (tests, measurements);
+        ``"off"``: chains only. Adaptive policy only, one prompt or a batch (each row its own tree); output is
+        unchanged either way.
     draft_vocab_size:
         Compute the draft's output layer over only this many token ids (the first ids of a BPE vocabulary are
         its most frequent tokens), plus every prompt token and the special tokens. On a memory-bound CPU the
@@ -99,6 +116,7 @@ class SpecConfig(_FromDict):
     setup_margin: float = 2.0
     decay: float = 0.95
     history_lookup: bool = True
+    tree: Literal["auto", "on", "off"] = "auto"
     draft_vocab_size: Union[int, Auto, None] = "auto"
 
     def __post_init__(self) -> None:
@@ -115,6 +133,11 @@ class SpecConfig(_FromDict):
         _check_float(name, "decay", self.decay, 0.5, 1.0)
         if not isinstance(self.history_lookup, bool):
             _fail(name, "history_lookup", self.history_lookup, "use True or False")
+        if self.tree not in tuple(TreeMode):
+            _fail(name, "tree", self.tree, f"choose one of {[mode.value for mode in TreeMode]}")
+        if self.tree == TreeMode.ON and self.policy != "adaptive":
+            _fail(name, "tree", self.tree, f"a tree is sized by the adaptive policy; use policy='adaptive' with "
+                                           f"tree='on', or tree='off' with policy={self.policy!r}")
         if self.draft_vocab_size not in ("auto", None):
             _check_int(name, "draft_vocab_size", self.draft_vocab_size, 16)
 

@@ -14,6 +14,7 @@ its own decoding method. hf_specdec uses that seam and nothing private:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -24,7 +25,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
 from . import cache as kv
-from .config import LookaheadConfig, SpecConfig
+from .config import LookaheadConfig, SpecConfig, TreeMode
 from .costmodel import Estimates
 from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
@@ -35,7 +36,7 @@ from .memory import LookaheadMemory, Seeding, SpeculativeMemory
 from .models.seeding import call_start_lookahead, call_start_speculative
 from .policy import make_policy
 from .stats import SpecStats, stats_holder
-from .support import check_supported
+from .support import Unsupported, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def speculative_generate(
     check_supported(model, "speculative", rows)
     if not hasattr(draft_model, "propose"):
         check_supported(draft_model, "speculative", rows, role="draft")
+    config = _with_trees(config, model, draft_model, rows)
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
     origin = call_start_speculative(speculative_memory, model, draft_model)  # seeds a memory's first call
@@ -141,6 +143,25 @@ def _as_config(value, cls, name):
     if not isinstance(value, cls):
         raise ValueError(f"{name} must be a {cls.__name__} or a dict of its fields, got {type(value).__name__}.")
     return value
+
+
+def _with_trees(config: SpecConfig, model, draft_model, rows: int) -> SpecConfig:
+    """``tree="auto"`` becomes "off" where the target or the draft model cannot read a tree in one forward (the
+    rules of lookahead's trie: position ids, a 4-D mask); ``tree="on"`` is refused there. A drafter of one's own
+    says in its offers whether it drafts trees."""
+    if config.tree == TreeMode.OFF:
+        return config
+    models = [("target", model)] + ([] if hasattr(draft_model, "propose") else [("draft", draft_model)])
+    for role, checked in models:
+        try:
+            check_supported(checked, "lookahead", rows, role=role)
+        except Unsupported as error:
+            if config.tree == TreeMode.ON:
+                raise Unsupported(f"SpecConfig(tree='on') needs a {role} model that reads a tree of guesses in one "
+                                  f"forward, and this one cannot ({error}); use tree='auto' (chains where trees "
+                                  "cannot run) or tree='off'.") from error
+            return dataclasses.replace(config, tree=TreeMode.OFF.value)
+    return config
 
 
 def _draft_vocab_size(config: SpecConfig, shared: int) -> int | None:

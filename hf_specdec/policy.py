@@ -20,12 +20,14 @@ A round, in order (``plan``; queries only, nothing changes state until ``observe
 
 1. Nothing measured at this batch size: a plain step, the reference every other size is compared to.
 2. The draft model (when the drafter has one): k from the adaptive rule below, or 0 with why (does not pay, its
-   prompt read is not repaid, no room), or a probe when one is due and the regret budget covers it.
+   prompt read is not repaid, no room), or a probe when one is due and the regret budget covers it. Where it
+   drafts (and is measured, and this is no probe), a tree of its continuations instead of the chain when the
+   tree is expected to emit more tokens per second (below: trees).
 3. The ready-made candidates (one row, or any batch without a draft model): the trie of their best prefixes by
    learned acceptance, sized by the same price, no wider than its worst case fits in the regret allowance
    (``_affordable``).
-4. Whichever of the chain and the trie is expected to emit more tokens per second runs (the trie also when the
-   chain does not pay: an edit that copies its input needs no draft); neither: a plain step.
+4. Whichever of the draft's chain (or tree) and the trie is expected to emit more tokens per second runs (the
+   trie also when the chain does not pay: an edit that copies its input needs no draft); neither: a plain step.
 5. A lookahead drafter's Jacobi window takes whatever inputs keep the forward within ``window_tolerance`` of its
    cost, while its pool adds tokens.
 
@@ -76,19 +78,34 @@ without running the draft at all: in an edit that copies its input, the draft's 
 
 The in-round parts are a value (``AdaptiveChainRule``, frozen, made by ``plan``) that the drafter reads: it
 never reaches the policy, and the policy learns the round's confidences from the proposal, not from calls.
+
+Trees of the draft's continuations
+----------------------------------
+Where a forward over more inputs costs about what one costs, a round may verify a tree instead of the chain:
+the draft's second and third choices where it is unsure (``drafters/draft_tree.py`` grows it by cumulative draft
+probability). Its size comes from the same price and the acceptance learned per (depth, rank among siblings):
+the draft's node of rank r at depth d is ``Source(DRAFT, variant=r, position=d)``, so a_{r,d} is the one
+estimator of (DRAFT, r) at slot d (rank 0 is the chain's), judged when its parent was kept. The expected tree
+(``expected_tree``) takes nodes best first by the product of a along their path; its first m nodes emit
+E(m) = 1 + sum of those products in T(m) = sum over depths of t_d(nodes the draft reads there) + t(1 + m), and m
+maximises E / T (``Planner.tree``). The first m nodes of a chain are one such tree, so the tree is chosen
+(``SpecConfig.tree="auto"``) only where it branches and its E / T beats the chain's at the same depth; where t(n)
+is steep (fp32 on a CPU: t(2) = 1.75 t(1)) a second choice, accepted a few times in a hundred, never pays for its
+input, and rounds stay chains, or plain steps. ``tree="on"`` takes the best tree that branches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
-from .config import LookaheadConfig, SpecConfig
+from .config import LookaheadConfig, SpecConfig, TreeMode
 from .costmodel import (Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, best_round,
                         prefix_gains)
 from .layout import merge_candidates
-from .round import (PRIOR_WEIGHT, Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind,
+from .round import (PRIOR_WEIGHT, Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind, TreeShape,
                     prior_acceptance)
 
 PLAIN = RoundPlan()
@@ -103,17 +120,6 @@ class Policy(Protocol):
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The target read the call's prompts (``tokens``: rows x padded width) in ``seconds`` (round 0)."""
-
-
-def judged_slots(outcomes: Sequence[RoundOutcome], kind: SourceKind) -> list[tuple[int, bool]]:
-    """(position, kept) of every judged token offered by a source of this ``kind`` (see ``Source``), all rows."""
-    slots = []
-    for outcome in outcomes:
-        kept, judged = set(outcome.accepted), outcome.judged()
-        slots += [(source.position, node in kept)
-                  for node, sources in enumerate(outcome.proposal.sources) if judged[node]
-                  for source in sources if source.kind == kind]
-    return slots
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -272,6 +278,8 @@ MAX_LOOKUP = 16  # longest prompt-lookup tail after the draft model's tokens
 LEADING_LOOKUP = 10  # longest round of ready-made candidates beside a draft model (transformers' prompt lookup: 10)
 NUM_BINS = 10  # confidence calibration bins of the draft model
 DRAFT, LOOKUP = (SourceKind.DRAFT, 0), (SourceKind.LOOKUP, 0)  # the sources beside a draft model
+TREE_CHILDREN = 4  # the most children of one node of a draft-model tree (ranks 0..3 among siblings)
+MAX_TREE_NODES = 32  # the most nodes of a draft-model tree
 
 
 @dataclass(frozen=True)
@@ -283,7 +291,8 @@ class PlannerSettings:
     The draft model's chain (only with a drafter that offers ``model_tokens``): num_draft_tokens, the first k
     before the draft step is measured; max_draft_tokens, the cap; confidence_stop, the in-round stop (one row);
     probe_interval, plain rounds before a probe; setup_margin, how many times drafting must repay the draft's
-    prompt read; lookup_tail, prompt-lookup tokens after the chain (one row).
+    prompt read; lookup_tail, prompt-lookup tokens after the chain (one row); tree, whether a round may verify a
+    tree of the draft's continuations instead (``TreeMode``; only with a drafter whose offer says it can).
     Ready-made candidates (prompt lookup, pool, history, memory, recycled choices): max_forward_tokens, the most
     inputs per row of such a round; max_candidates, "auto" (by expected rate) or G (G x (N - 1) nodes in
     priority order); batch_candidates, whether a batch round verifies them (a draft model's batch drafts one k).
@@ -305,6 +314,7 @@ class PlannerSettings:
     probe_interval: int = 16
     setup_margin: float = 2.0
     lookup_tail: bool = False
+    tree: TreeMode = TreeMode.OFF
     max_candidates: int | str = "auto"
     batch_candidates: bool = True
     window: int | str | None = None
@@ -321,7 +331,8 @@ class PlannerSettings:
                    max_forward_tokens=1 + LEADING_LOOKUP if config.history_lookup else 1,
                    num_draft_tokens=config.num_draft_tokens, max_draft_tokens=config.max_draft_tokens,
                    confidence_stop=config.confidence_stop, probe_interval=config.probe_interval,
-                   setup_margin=config.setup_margin, lookup_tail=config.history_lookup, batch_candidates=False)
+                   setup_margin=config.setup_margin, lookup_tail=config.history_lookup, batch_candidates=False,
+                   tree=TreeMode(config.tree) if config.policy == "adaptive" else TreeMode.OFF)
 
     @classmethod
     def lookahead(cls, config: LookaheadConfig) -> "PlannerSettings":
@@ -330,6 +341,20 @@ class PlannerSettings:
                    max_forward_tokens=config.max_forward_tokens, max_candidates=config.max_candidates,
                    window=config.window, ngram=config.ngram, window_tolerance=config.window_tolerance,
                    prior_pool_gain=config.prior_pool_gain, remeasure_interval=config.remeasure_interval)
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """A draft-model tree a round would grow: its ``shape``, the ``tokens`` a row is expected to emit from it and
+    the ``seconds`` of the round (its draft forwards and the target's)."""
+
+    shape: TreeShape
+    tokens: float
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
 
 
 @dataclass(frozen=True)
@@ -422,8 +447,9 @@ class Planner:
     # -- decisions (queries: nothing here changes state) ----------------------------------------------------------
     def plan(self, views: Sequence[RowView], offers: Sequence[Offer]) -> list[RoundPlan]:
         """Each row's round: a plain step first (the reference of every size); then the draft model's chain where
-        it pays, the trie of ready-made candidates where that pays more (or the chain does not pay), else a
-        plain step that says why; the Jacobi window (a lookahead drafter's) spends what the forward has spare."""
+        it pays (its tree where that pays more), the trie of ready-made candidates where that pays more still (or
+        the chain does not pay), else a plain step that says why; the Jacobi window (a lookahead drafter's)
+        spends what the forward has spare."""
         rows = len(views)
         if not self.estimates.forward.measured(rows):  # a plain step first: every other size is compared to it
             return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
@@ -438,6 +464,10 @@ class Planner:
         trie = self._trie(price, budgets, offers) if self._candidates(rows) else None
         if decision.k and (price.t_draft is None or decision.probe):  # measure the draft: nothing to compare yet
             return self._chain_plans(price, decision, budgets, offers)
+        tree = self.tree(price, max(budgets)) if decision.k and all(offer.trees for offer in offers) else None
+        if tree is not None and not (trie and trie.nodes and self._trie_rate(price, trie) > tree.rate):
+            return [RoundPlan(model_tokens=min(tree.shape.depth, budget), max_tokens=budget,  # each row's depth
+                              tree=tree.shape if budget > 0 else None) for budget in budgets]
         if decision.k and not (trie and trie.nodes and self._trie_rate(price, trie) > self._best_draft_rate(price)):
             return self._chain_plans(price, decision, budgets, offers)
         if trie is None:
@@ -516,6 +546,57 @@ class Planner:
             return Decision(probe, probe=True)  # the best round that drafts at all
         return Decision(0, why=f"drafting does not pay: {self._best_draft_rate(price):.1f} tok/s expected, "
                                f"{1 / step if step else 0.0:.1f} plain")
+
+    # -- the draft model's tree -----------------------------------------------------------------------------------
+    def tree(self, price: ForwardPrice, depth: int) -> TreeChoice | None:
+        """The draft-model tree this round grows, at most ``depth`` deep, or None for the chain (module docstring):
+        of the first m nodes of the expected tree, the m with the best expected tokens per second; with
+        ``tree="auto"`` only where that tree branches and beats the best chain as deep; with ``"on"``, the best
+        that branches. None while ``tree="off"``, or a draft step or forward size it needs is unpriced.
+
+        >>> policy = Planner.speculative(SpecConfig(tree="auto"))
+        >>> policy.estimates.draft_step.observe(1, 0.01)
+        >>> for n in range(1, 34): policy.estimates.forward.observe(n, 0.10)  # flat t(n): a GPU, bf16 units
+        >>> choice = policy.tree(policy.price(), 8)
+        >>> choice.shape.branches, choice.shape.depth, choice.shape.num_nodes
+        (True, 8, 32)
+        >>> for n in range(1, 34): policy.estimates.forward.observe(n, 0.10 * (1 + 0.75 * (n - 1)))  # steep
+        >>> policy.tree(policy.price(), 8) is None  # the chain (or nothing)
+        True
+        """
+        mode, rows = self.settings.tree, price.rows
+        depth = min(depth, self.settings.max_draft_tokens)
+        if mode is TreeMode.OFF or depth <= 0:
+            return None
+        limit = min(MAX_TREE_NODES, max(8 if rows == 1 else 1, 2 * self.estimates.forward.largest // rows) - 1)
+        rates = [self.acceptance((SourceKind.DRAFT, rank)).rates(depth) for rank in range(TREE_CHILDREN)]
+        best = best_branching = None
+        for shape, tokens in tree_prefixes(expected_tree(rates, limit), TREE_CHILDREN):
+            seconds = self._tree_seconds(price, shape)
+            if seconds is None:
+                break
+            choice = TreeChoice(shape, tokens, seconds)
+            if best is None or choice.rate > best.rate:
+                best = choice
+            if shape.branches and (best_branching is None or choice.rate > best_branching.rate):
+                best_branching = choice
+        if mode is TreeMode.ON:
+            return best_branching
+        chain = best_round(price, prefix_gains(rates[0]), depth)
+        if best is None or not best.shape.branches or chain is None or best.rate <= chain.rate:
+            return None
+        return best
+
+    def _tree_seconds(self, price: ForwardPrice, shape: TreeShape) -> float | None:
+        """T of a round growing ``shape``: a draft forward per depth over the nodes it reads (every row's), and the
+        target's forward over the last token and every node, past the largest size measured priced as the
+        measured curve continues (``Bound.WORST``): a tree never gets the optimism a chain's next size gets, so
+        where t(n) is steep it is not tried "once" before it is known."""
+        verify = price(1 + shape.num_nodes, Bound.WORST)
+        drafts = [self.estimates.draft_seconds(price.rows * width) for width in shape.expanded]
+        if verify is None or any(t is None for t in drafts):
+            return None
+        return round(sum(drafts) + verify, 12)
 
     # -- ready-made candidates: a trie ----------------------------------------------------------------------------
     def _affordable(self, price: ForwardPrice, limit: int) -> int:
@@ -665,13 +746,18 @@ class Planner:
         if setup > 0 and setup_tokens and self.prefill is not None:
             tokens, seconds = self.prefill
             self.estimates.draft_read.observe(setup, seconds * max(1.0, setup_tokens / max(tokens, 1)))
-        drafting = sum(p.draft_time for p in proposals)  # the batch's, over its rows
-        self.estimates.draft_step.observe(len(outcomes), drafting / forwards)
-        bins = []
+        steps = next((p.draft_steps for p in proposals if p.draft_steps), ())
+        for width, seconds in steps:  # a tree's forwards, by the inputs they read (every row's)
+            self.estimates.draft_step.observe(len(outcomes) * width, seconds)
+        if not steps:  # a chain's: one input a row each
+            drafting = sum(p.draft_time for p in proposals)  # the batch's, over its rows
+            self.estimates.draft_step.observe(len(outcomes), drafting / forwards)
+        bins = []  # the draft's first choices (a chain's tokens, a tree's rank-0 nodes) that were judged
         for outcome in outcomes:
-            drafted = judged_slots([outcome], SourceKind.DRAFT)
-            bins += [(min(int(c * NUM_BINS), NUM_BINS - 1) + 1, kept)
-                     for c, (_, kept) in zip(outcome.proposal.confidences, drafted)]
+            kept, judged, sources = set(outcome.accepted), outcome.judged(), outcome.proposal.sources
+            bins += [(min(int(c * NUM_BINS), NUM_BINS - 1) + 1, node in kept)
+                     for node, c in enumerate(outcome.proposal.confidences)
+                     if judged[node] and any(source.key == DRAFT for source in sources[node])]
         self.calibration.observe_slots(bins)
 
 
@@ -693,8 +779,8 @@ def _has_window(proposal) -> bool:
 
 
 class CappedPolicy:
-    """Another policy's plans, cut to at most ``cap`` guessed tokens per row and no Jacobi window: what the loop
-    runs after a round's forward ran out of memory, before it gives up speculation altogether.
+    """Another policy's plans, cut to at most ``cap`` guessed tokens per row, no Jacobi window and no tree: what the
+    loop runs after a round's forward ran out of memory, before it gives up speculation altogether.
 
     >>> plan = CappedPolicy(FixedPolicy(8), cap=2).plan([RowView(0, None, 16)], [Offer(model_tokens=16)])
     >>> plan[0].model_tokens, plan[0].max_tokens
@@ -716,7 +802,7 @@ class CappedPolicy:
             room -= len(candidates[-1].tokens)
         return dataclasses.replace(plan, model_tokens=min(plan.model_tokens, self.cap),
                                    max_tokens=min(plan.max_tokens, self.cap), candidates=tuple(candidates),
-                                   window=(1, 2))
+                                   window=(1, 2), tree=None)  # a chain: at most cap guesses
 
     def observe(self, outcomes: Sequence[RoundOutcome]) -> None:
         self.policy.observe(outcomes)
@@ -739,6 +825,71 @@ def make_policy(config: SpecConfig | LookaheadConfig, estimates: Estimates | Non
 # ----------------------------------------------------------------------------------------------------------------
 # Ready-made candidates: ranking a trie, sizing the Jacobi window (pure)
 # ----------------------------------------------------------------------------------------------------------------
+
+class ExpectedNode(NamedTuple):
+    """A node of the expected tree: its parent (index into the list, -1: the last token), rank among its
+    siblings, depth, and gain (the product of the acceptance rates along its path)."""
+
+    parent: int
+    rank: int
+    depth: int
+    gain: float
+
+
+def expected_tree(rates: Sequence[Sequence[float]], max_nodes: int) -> list[ExpectedNode]:
+    """The draft-model tree expected to emit the most tokens for its size, best node first.
+
+    ``rates[r][d - 1]``: the acceptance of a node of rank r at depth d given its parent was kept (``Source(DRAFT,
+    r, d)``); ``len(rates[0])`` caps the depth. A node's gain is the product of the rates along its path, what it
+    adds to the expected tokens of the round; taking nodes best first (a node's first child and next sibling
+    become candidates when it is taken) gives, for every m, a tree of m nodes with the largest sum of gains when
+    gains fall with depth and rank (they do: rates are at most 1 and a later sibling is accepted only where the
+    earlier ones were not).
+
+    >>> [(n.parent, n.rank, n.depth, round(n.gain, 3)) for n in expected_tree([[0.8, 0.8], [0.5, 0.5]], 4)]
+    [(-1, 0, 1, 0.8), (0, 0, 2, 0.64), (-1, 1, 1, 0.5), (0, 1, 2, 0.4)]
+    """
+    depth_cap, children = len(rates[0]) if rates else 0, len(rates)
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-gain, order, parent, rank, depth)
+    order = 0
+
+    def offer(parent: int, rank: int, depth: int, parent_gain: float) -> None:
+        nonlocal order
+        if rank < children and depth <= depth_cap:
+            heapq.heappush(frontier, (-parent_gain * rates[rank][depth - 1], order, parent, rank, depth))
+            order += 1
+
+    nodes: list[ExpectedNode] = []
+    offer(-1, 0, 1, 1.0)
+    while frontier and len(nodes) < max_nodes:
+        negative, _, parent, rank, depth = heapq.heappop(frontier)
+        nodes.append(ExpectedNode(parent, rank, depth, -negative))
+        offer(parent, rank + 1, depth, 1.0 if parent < 0 else nodes[parent].gain)  # its next sibling
+        offer(len(nodes) - 1, 0, depth + 1, -negative)  # its first child
+    return nodes
+
+
+def tree_prefixes(nodes: Sequence[ExpectedNode], children: int) -> Iterator[tuple[TreeShape, float]]:
+    """(shape, expected tokens) of the first m nodes of ``nodes`` (best first, a parent before its children), for
+    m = 1, 2, ...: nodes per depth, the nodes the draft reads per depth (those with a child among the m) and 1 +
+    the sum of the gains.
+
+    >>> nodes = expected_tree([[0.8, 0.8], [0.5, 0.5]], 4)
+    >>> [(shape.nodes, shape.expanded, round(tokens, 2)) for shape, tokens in tree_prefixes(nodes, 2)]
+    [((1,), (1,), 1.8), ((1, 1), (1, 1), 2.44), ((2, 1), (1, 1), 2.94), ((2, 2), (1, 1), 3.34)]
+    """
+    per_depth: list[int] = []
+    read: list[set[int]] = [{-1}]  # per depth, the parents of the next depth's nodes
+    tokens = 1.0
+    for index, node in enumerate(nodes):
+        if node.depth > len(per_depth):
+            per_depth.append(0)
+            read.append(set())
+        per_depth[node.depth - 1] += 1
+        read[node.depth - 1].add(node.parent)
+        tokens += node.gain
+        yield TreeShape(tuple(per_depth), tuple(len(parents) for parents in read[: len(per_depth)]), children), tokens
+
 
 def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[tuple[tuple[int, ...], float]]:
     """Every distinct prefix of the candidates with its gain, best first.

@@ -70,7 +70,9 @@ class SourceKind(enum.StrEnum):
 # guesses. Alternatives to a lookup's first continuation are learned apart: at most one of them can be right, and
 # counting them as likely as the first would credit a trie of many alternatives with more tokens than it can give.
 PRIOR_ACCEPTANCE = MappingProxyType({
-    SourceKind.DRAFT: (2 / 3,),  # Beta(2, 1): a draft of the same family agrees more often than not
+    # Beta(2, 1): a draft of the same family agrees more often than not; by rank among siblings (a tree's second
+    # choice is judged when its parent was kept, and kept only if the first choice was not)
+    SourceKind.DRAFT: (2 / 3, 0.15, 0.06, 0.03),
     SourceKind.LOOKUP: (0.5,),
     SourceKind.POOL: (0.25,),
     SourceKind.HISTORY: (0.3, 0.3, 0.45, 0.6, 0.7),  # by the length of the match (variant 0 unused)
@@ -102,8 +104,9 @@ class Source(NamedTuple):
     """Where a guess came from, which is what its acceptance is learned by.
 
     kind: a ``SourceKind``.
-    variant: how much context matched (lookups), the rank of a recycled choice, else 0.
-    position: 1-based position of the token within the candidate that offered it.
+    variant: how much context matched (lookups), the rank of a recycled choice, the rank of a draft-model token
+        among its siblings in a tree (0: the draft's first choice, the only one of a chain), else 0.
+    position: 1-based position of the token within the candidate that offered it (a tree node's depth).
     """
 
     kind: SourceKind
@@ -128,6 +131,7 @@ class Offer:
 
     candidates: tuple[Candidate, ...] = ()
     model_tokens: int = 0  # most tokens the drafter's own model can draft (0: it has none)
+    trees: bool = False  # its model can draft a tree (``RoundPlan.tree``), not only a chain
     setup_tokens: int = 0  # tokens its model must read before it first drafts (the prompt; 0 once read)
     positions_left: int | None = None  # positions after the last token before the model's position table ends
 
@@ -143,6 +147,45 @@ class ChainRule(Protocol):
 
 
 @dataclass(frozen=True)
+class TreeShape:
+    """The size of a draft model's tree for one round, chosen by the policy; the drafter grows it.
+
+    nodes[d - 1]: nodes verified at depth d (d = 1..depth); expanded[d]: nodes of depth d the draft reads in its
+    forward of depth d (depth 0: the last committed token, once a row), whose children are the candidates of depth
+    d + 1; children: the most children of one node (the draft's top choices, or draws without replacement).
+
+    Worked example: ``TreeShape(nodes=(2, 2, 1), expanded=(1, 2, 1), children=2)``: one draft forward over the last
+    token gives the two depth-1 nodes, one forward over both gives four candidates of which two are kept, one over
+    the likelier of those gives the depth-3 node: 3 draft forwards of 1, 2 and 1 inputs, 5 nodes verified.
+
+    >>> TreeShape(nodes=(2, 2, 1), expanded=(1, 2, 1), children=2).num_nodes
+    5
+    """
+
+    nodes: tuple[int, ...]
+    expanded: tuple[int, ...]
+    children: int
+
+    def __post_init__(self) -> None:
+        assert len(self.expanded) == len(self.nodes), "one expanded count per depth"
+        assert all(n <= e * self.children for n, e in zip(self.nodes, self.expanded)), "too few candidates"
+        assert all(e <= n for e, n in zip(self.expanded[1:], self.nodes)), "expanded nodes must exist"
+
+    @property
+    def depth(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(self.nodes)
+
+    @property
+    def branches(self) -> bool:
+        """Does some node have more than one child (else it is a chain)?"""
+        return any(n > e for n, e in zip(self.nodes, self.expanded))
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     """Every size of one round, decided by the policy (``policy.py``); the drafter follows it.
 
@@ -151,6 +194,8 @@ class RoundPlan:
     rule: the in-round rule of the draft model's chain (``policy.ChainRule``): whether to draft one more token
         given the confidences so far, and how many prompt-lookup tokens may follow. None: draft exactly
         ``model_tokens``, no lookup tail.
+    tree: the draft model grows a tree of this shape instead of a chain (``model_tokens`` is then its depth);
+        None: a chain.
     candidates: the ready-made candidates (or prefixes of them) to verify, best first; their merged trie is the
         proposal when ``model_tokens`` is 0.
     window: (W, N) of the Jacobi window; (1, 2) is no window.
@@ -162,6 +207,7 @@ class RoundPlan:
     model_tokens: int = 0
     max_tokens: int = 0
     rule: ChainRule | None = None
+    tree: TreeShape | None = None
     candidates: tuple[Candidate, ...] = ()
     window: tuple[int, int] = (1, 2)
     probe: bool = False
@@ -205,6 +251,8 @@ class Proposal:
     extra: inputs the drafter wants read but not verified (the Jacobi window), or None;
     top_k: how many of the target's top choices after each computed row the drafter wants back (0: none);
     draft_time / draft_forwards: seconds spent proposing and draft-model forwards run (the per-round cost);
+    draft_steps: (inputs per row, seconds) of each draft-model forward, where they are not one input each (a tree's
+    forwards read its frontier); empty: each of the ``draft_forwards`` read one input per row;
     setup_time / setup_tokens: one-off seconds before it and the tokens read in them (the draft model reading the
     prompts the first time it is used; the tokens of the left-padded batch, padding included).
     """
@@ -218,6 +266,7 @@ class Proposal:
     top_k: int = 0
     draft_time: float = 0.0
     draft_forwards: int = 0
+    draft_steps: tuple[tuple[int, float], ...] = ()
     setup_time: float = 0.0
     setup_tokens: int = 0
 
@@ -250,6 +299,11 @@ class Proposal:
     def depth(self) -> int:
         """The longest path: the round's "draft length"."""
         return max(self.depths, default=0)
+
+    @property
+    def branches(self) -> bool:
+        """Does some node (or the last committed token) have more than one child?"""
+        return len(set(self.parents)) < len(self.parents)
 
     def path(self, node: int) -> list[int]:
         """Node ids from the root's child down to ``node``."""

@@ -13,6 +13,12 @@ Definitions, used the same way by the loop, the eval harness and the demo:
   "mean acceptance length" and the "compression ratio" of EAGLE and LookaheadDecoding. Plain decoding has 1.0.
 - acceptance per position i: of the rounds that drafted to depth i or deeper, the share that accepted a token at
   depth i.
+- tree round: a round whose guesses branch (some node has two or more children): a draft-model tree, or a
+  lookahead trie. Nodes verified = drafted. Tokens per target forward: tokens a row emits per target forward
+  after the prefill (``tokens_per_forward``; the prefill's one token a row is left out).
+- acceptance by depth and rank: of the draft model's nodes at depth d that were the r-th choice among their
+  siblings (r = 0: the first choice, a chain's only one) and were judged (their parent was kept), the share
+  kept (``acceptance_by_depth_rank``; what the planner learns as ``Source(DRAFT, r, d)``).
 - c (cost ratio): mean time of one draft forward / mean time of one plain target step.
 - v(n): mean time of a target forward over n new tokens / the same for one token, on this hardware.
 - first estimates: where the costs and acceptance the call started from came from (``memory.EstimatesFrom``): the
@@ -60,6 +66,10 @@ class SpecStats:
     guess_cap: int | None = None  # after a round ran out of memory: the most guesses per row from then on
     plain_reasons: Counter = field(default_factory=Counter)  # why the planner chose plain rounds: kind -> rounds
     plain_wording: dict[str, str] = field(default_factory=dict)  # each kind's newest full wording
+    tree_rounds: int = 0  # row-rounds whose guesses branched
+    tree_nodes: int = 0  # nodes those rounds verified
+    judged_by_depth_rank: Counter = field(default_factory=Counter)  # (depth, rank) -> draft-model nodes judged
+    accepted_by_depth_rank: Counter = field(default_factory=Counter)  # (depth, rank) -> of them, kept
     cache_bytes: int = 0  # the target's KV cache at the end of the call (all rows, padding columns included)
     draft_cache_bytes: int = 0  # the drafter's own caches at the end of the call (a draft model's KV cache)
     estimates_from: EstimatesFrom | None = None  # where the call's first estimates came from (``memory.Seeding``)
@@ -114,6 +124,15 @@ class SpecStats:
         from_lookup = [all(s.kind != SourceKind.DRAFT for s in sources) for sources in proposal.sources]  # (str kinds too)
         self.lookup_drafted += sum(from_lookup)
         self.lookup_accepted += sum(from_lookup[node] for node in outcome.accepted)
+        if proposal.branches:
+            self.tree_rounds += 1
+            self.tree_nodes += drafted
+        kept, judged = set(outcome.accepted), outcome.judged()
+        for node, sources in enumerate(proposal.sources):
+            for source in sources:
+                if source.kind == SourceKind.DRAFT and judged[node]:
+                    self.judged_by_depth_rank[source.position, source.variant] += 1
+                    self.accepted_by_depth_rank[source.position, source.variant] += node in kept
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -128,6 +147,18 @@ class SpecStats:
     @property
     def acceptance_per_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens a row emits per target forward after the prefill (1.0 for plain decoding)."""
+        rounds = self.rounds - self.rows
+        return (self.new_tokens - self.rows) / rounds if rounds > 0 else 0.0
+
+    @property
+    def acceptance_by_depth_rank(self) -> dict[tuple[int, int], float]:
+        """(depth, rank among siblings) -> the share of the draft model's judged nodes there that were kept."""
+        return {key: self.accepted_by_depth_rank[key] / judged
+                for key, judged in sorted(self.judged_by_depth_rank.items())}
 
     @property
     def verify_cost(self) -> dict[int, float]:
@@ -153,11 +184,15 @@ class SpecStats:
         data = dataclasses.asdict(self)
         data["draft_length_hist"] = dict(sorted(self.draft_length_hist.items()))
         data["plain_reasons"] = dict(self.plain_reasons.most_common())  # (asdict would count a Counter's pairs)
+        for name in ("judged_by_depth_rank", "accepted_by_depth_rank"):  # "depth/rank" keys: JSON has no tuples
+            data[name] = {f"{depth}/{rank}": count for (depth, rank), count in sorted(getattr(self, name).items())}
+        data["acceptance_by_depth_rank"] = {f"{depth}/{rank}": rate
+                                            for (depth, rank), rate in self.acceptance_by_depth_rank.items()}
         data["verify_time_by_tokens"] = {
             n: sum(ts) / len(ts) for n, ts in sorted(self.verify_time_by_tokens.items()) if ts
         }
-        for name in ("mean_accepted_length", "acceptance_rate", "acceptance_per_position", "verify_cost",
-                     "cost_ratio_c", "tokens_per_s"):
+        for name in ("mean_accepted_length", "tokens_per_forward", "acceptance_rate", "acceptance_per_position",
+                     "verify_cost", "cost_ratio_c", "tokens_per_s"):
             data[name] = getattr(self, name)
         return data
 
@@ -191,6 +226,8 @@ class SpecStats:
         )
         if self.estimates_from is not None:
             text += f", first estimates: {self.estimates_from}"
+        if self.tree_rounds:
+            text += f", {self.tree_rounds} tree rounds ({self.tree_nodes / self.tree_rounds:.1f} nodes verified each)"
         return f"{text} ({self.why_plain()})" if self.plain_reasons else text
 
 

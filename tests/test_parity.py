@@ -23,9 +23,9 @@ def paying(draft):
     return memory
 
 
-def speculative(model, draft, prompt, policy, seeded=True, **kwargs):
+def speculative(model, draft, prompt, policy, seeded=True, tree="auto", **kwargs):
     return model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
-                          spec_config=hf_specdec.SpecConfig(policy=policy, num_draft_tokens=4),
+                          spec_config=hf_specdec.SpecConfig(policy=policy, num_draft_tokens=4, tree=tree),
                           speculative_memory=paying(draft) if seeded else None,
                           max_new_tokens=NEW, do_sample=False, **kwargs)
 
@@ -35,9 +35,14 @@ def test_draft_equal_to_target_accepts_everything(target, prompt, policy):
     out = speculative(target, target, prompt, policy)
     assert torch.equal(out, plain(target, prompt))
     stats = target.last_spec_stats.get()
-    # every token the draft model proposed is accepted (prompt-lookup tokens riding along may not be)
+    # every first choice the draft model proposed is accepted (prompt-lookup tokens riding along may not be, nor
+    # the second choices of a tree, which the adaptive policy grows under these flat costs)
     assert stats.drafted > stats.lookup_drafted
-    assert stats.accepted - stats.lookup_accepted == stats.drafted - stats.lookup_drafted
+    first_choices = [key for key in stats.judged_by_depth_rank if key[1] == 0]
+    assert first_choices and all(stats.accepted_by_depth_rank[key] == stats.judged_by_depth_rank[key]
+                                 for key in first_choices)
+    if not stats.tree_rounds:
+        assert stats.accepted - stats.lookup_accepted == stats.drafted - stats.lookup_drafted
     if policy == "fixed":  # every round but the last drafts 4 and keeps them: K + 1 tokens per round
         assert stats.round_log[1] == (4, 5)
 
@@ -199,7 +204,9 @@ def test_history_lookup_appends_repeated_text_and_keeps_output(monkeypatch):
     prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38] * 4])
     expected = plain(model, prompt)
     assert expected[0, 46:58].tolist() == expected[0, 50:62].tolist()  # the output repeats itself
-    out = speculative(model, draft, prompt, "adaptive", seeded=False)  # the virtual clock's costs decide
+    # the virtual clock's costs decide; chains, which carry prompt-lookup tails (a tree carries none: where
+    # verifying is free, as here, a tree of the draft's choices would take the round)
+    out = speculative(model, draft, prompt, "adaptive", seeded=False, tree="off")
     assert torch.equal(out, expected)
     stats = model.last_spec_stats.get()
     assert stats.lookup_drafted > 0 and stats.lookup_accepted > 0

@@ -19,6 +19,9 @@ Two savings that leave the output unchanged (the target verifies every token):
 - Prompt lookup after the draft (``base.ChainDrafter`` with ``prompt_lookup.PromptLookupDrafter``): when the
   draft's tokens continue something already seen in the prompt or the output, the tokens that followed it there
   are appended without any draft forward, as many as the policy's rule says pay for their extra verify time.
+
+A plan with a ``tree`` grows a tree of the draft's likely continuations instead of a chain (``draft_tree.py``:
+one batched draft forward per depth over its frontier, every node continuing its parent's path in the cache).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import torch
 from transformers import LogitsProcessorList
 
 from .. import cache as kv
-from ..layout import RoundLayout, stack_layouts
+from ..layout import BatchInputs, RoundLayout, stack_layouts
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 from ..verify import greedy_choice
+from . import draft_tree
 
 
 class SubVocabHead:
@@ -75,7 +79,9 @@ class DraftModelDrafter:
 
     A round writes, per row, the tokens committed since the store's last keep and then each drafted token that
     another step needed, one forward per step, each continuing the row's previous slot (``forward(after=)``);
-    ``_written[r]`` lists those slots in sequence order. ``update`` keeps the ones the target agreed with
+    ``_written[r]`` lists those slots (a chain's in sequence order). A tree round writes the committed tokens
+    (``_caught_up[r]`` slots) and then, depth by depth, the nodes it reads, each continuing its parent's slot
+    (``_node_slots[r]``: proposal node -> slot). ``update`` keeps the slots of the tokens the target agreed with
     (the committed tokens but the newest) and the store forgets the rest.
     """
 
@@ -102,7 +108,9 @@ class DraftModelDrafter:
         self.device = next(draft_model.parameters()).device
         self.cache: kv.KVStore | None = None
         self.rows: list[int] = []  # the batch rows held by the cache, in its order
-        self._written: list[list[int]] = []  # per row: the slots written since the last keep, in sequence order
+        self._written: list[list[int]] = []  # per row: the slots written since the last keep
+        self._caught_up: list[int] = []  # per row, in a tree round: how many of them hold committed tokens
+        self._node_slots: list[dict[int, int]] | None = None  # per row, in a tree round: proposal node -> slot
 
     def prefill(self, views: Sequence[RowView]) -> None:
         """Nothing yet: the draft reads the prompts the first time a plan asks it to draft (``_read``), so a call
@@ -140,10 +148,43 @@ class DraftModelDrafter:
         last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
         # over the target's vocabulary: the draft's padding rows past it are never proposed, and the target's rows
         # the draft lacks get -inf (never proposed, probability 0, which rejection sampling handles exactly)
-        logits = written.logits[torch.arange(len(feeds)), last.to(written.logits.device), : self.vocab_size]
+        return self._over_vocab(written.logits[torch.arange(len(feeds)), last.to(written.logits.device)])
+
+    def _over_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_draft] -> [..., V] over the target's vocabulary: the draft's padding rows past it are never
+        proposed, and the target's rows the draft lacks get -inf (never proposed, probability 0, which rejection
+        sampling handles exactly)."""
+        logits = logits[..., : self.vocab_size]
         if logits.shape[-1] < self.vocab_size:
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         return logits
+
+    def _read_nodes(self, nodes: list[list[tuple[int, int]]], roots: Sequence[int]) -> tuple[list[list[int]],
+                                                                                           torch.Tensor]:
+        """One draft forward over each row's tree ``nodes`` ([(token, parent slot)]), every node continuing its
+        parent's path in the cache and seeing no other node of the forward (``roots[r]``: a slot of the row that
+        its padding inputs continue). Returns per row the slots written, and float logits [B, n, V]."""
+        rows, n = len(nodes), max(len(row) for row in nodes)
+        input_ids = torch.full((rows, n), self.pad_token_id, dtype=torch.long)
+        after = torch.tensor(roots, dtype=torch.long)[:, None].repeat(1, n)
+        valid = torch.zeros(rows, n, dtype=torch.bool)
+        for r, row in enumerate(nodes):
+            if row:
+                input_ids[r, : len(row)] = torch.tensor([token for token, _ in row])
+                after[r, : len(row)] = torch.tensor([slot for _, slot in row])
+                valid[r, : len(row)] = True
+        batch = BatchInputs(self._readable(input_ids), torch.zeros(rows, n, dtype=torch.long),
+                            None if bool(valid.all()) else valid, torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1))
+        written = self.cache.forward(batch, after=after)  # logits [B, n, V]
+        slots = [written.slots[r, : len(row)].tolist() for r, row in enumerate(nodes)]
+        for row, row_slots in zip(self._written, slots):
+            row.extend(row_slots)
+        return slots, self._over_vocab(written.logits)
+
+    def _distribution(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The processed draft distribution [V] after ``prefix`` [L] (the row's tokens and the node's path)."""
+        scores = self.logits_processor(prefix[None], logits[None]) if self.logits_processor else logits[None]
+        return torch.softmax(scores.float(), dim=-1)[0]
 
     def _readable(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` with those the draft has no embedding for replaced by padding."""
@@ -155,12 +196,13 @@ class DraftModelDrafter:
         """Up to the room left per row; before the draft has read the prompts, what reading them costs: each
         row's share of the left-padded batch (the longest row's committed tokens but the last)."""
         width = 0 if self.cache is not None else max((int(view.ids.shape[0]) - 1 for view in views), default=0)
-        return [Offer(model_tokens=view.budget, setup_tokens=width) for view in views]
+        return [Offer(model_tokens=view.budget, trees=True, setup_tokens=width) for view in views]
 
     @torch.no_grad()
     def propose(self, views: Sequence[RowView], plans: Sequence[RoundPlan]) -> list[Proposal]:
         """Up to ``plan.model_tokens`` tokens per row, each from the draft's processed distribution at its own
-        prefix; a plan's rule may stop a row earlier on its confidences; all rows step together."""
+        prefix; a plan's rule may stop a row earlier on its confidences; all rows step together. A plan with a
+        ``tree`` grows a tree instead (``_propose_trees``)."""
         assert [view.row for view in views] == self.rows, "rows must come in the order the cache holds them"
         limits = [plan.model_tokens for plan in plans]
         steps = max(limits, default=0)
@@ -172,8 +214,11 @@ class DraftModelDrafter:
         if any(self._written):  # the last round's update never came (its forward failed): forget what it wrote
             self.cache.discard()
             self._written = [[] for _ in views]
+        self._node_slots = None  # a chain round, unless it grows trees
         ids = [view.ids.to(self.device) for view in views]
         feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
+        if any(plan.tree is not None for plan in plans):
+            return self._propose_trees(plans, ids, feeds, start, setup_time=setup, setup_tokens=read_tokens)
         tokens: list[list[int]] = [[] for _ in views]
         probs: list[list[torch.Tensor]] = [[] for _ in views]
         confidences: list[list[float]] = [[] for _ in views]
@@ -207,6 +252,52 @@ class DraftModelDrafter:
             setup_time=setup, setup_tokens=read_tokens)
             for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
 
+    def _propose_trees(self, plans: Sequence[RoundPlan], ids: list[torch.Tensor], feeds: list[torch.Tensor],
+                       start: float, **fields) -> list[Proposal]:
+        """Each row's tree of its plan's shape (``draft_tree.grow``): the forward over the committed tokens gives
+        the root distributions, then one forward per depth over the frontier."""
+        shapes = [draft_tree.row_shape(plan) for plan in plans]
+        logits = self._logits(feeds)  # [B, V] after each row's last committed token
+        trees = [draft_tree.GrownTree(distributions={-1: self._distribution(row_ids, row_logits)})
+                 for row_ids, row_logits in zip(ids, logits)]
+        self._caught_up = [len(row) for row in self._written]
+        self._node_slots = [{} for _ in plans]
+        roots = [row[-1] for row in self._written]
+        first = time.perf_counter() - start
+
+        def read(frontiers: list[list[tuple[int, int, int]]]) -> list[tuple[list[int], torch.Tensor]]:
+            slots, node_logits = self._read_nodes([[(token, slot) for _, token, slot in row] for row in frontiers],
+                                                  roots)
+            return [(row_slots, [self._distribution(torch.cat([row_ids, torch.tensor(tree.path(node),
+                                                                                     device=row_ids.device)]),
+                                                    node_logits[r, i]) for i, (node, _, _) in enumerate(row)])
+                    for r, (row, row_slots, row_ids, tree) in enumerate(zip(frontiers, slots, ids, trees))]
+
+        steps = ((1, first), *draft_tree.grow(trees, shapes, roots, read, self.do_sample))
+        seconds = (time.perf_counter() - start) / len(plans)  # the batch's drafting time, shared by its rows
+        proposals = []
+        for r, (tree, shape) in enumerate(zip(trees, shapes)):
+            nodes = draft_tree.verified(tree, shape, self.do_sample) if shape is not None else []
+            proposal, self._node_slots[r] = draft_tree.proposal(
+                tree, nodes, draft_time=seconds, draft_forwards=len(steps) if nodes else 0,
+                draft_steps=steps if nodes else (), **fields)
+            proposals.append(proposal)
+        return proposals
+
+    def _kept_path(self, row: int, outcome: RoundOutcome) -> list[int]:
+        """The slots of row ``row``'s committed tokens, in sequence order, among those written this round: a
+        chain's are its written slots; a tree's, the committed tokens it caught up on and then the accepted
+        nodes the draft read."""
+        written = self._written[row]
+        if self._node_slots is None:
+            return written
+        path, nodes = written[: self._caught_up[row]], self._node_slots[row]
+        for node in outcome.accepted:
+            if node not in nodes:
+                break
+            path.append(nodes[node])
+        return path
+
     def update(self, outcomes: Sequence[RoundOutcome]) -> None:
         """Keep the KV of the committed tokens but the newest (which the next round feeds): of the slots written
         this round, those of the tokens fed before the first rejected draft token; drop the rows that finished.
@@ -219,9 +310,10 @@ class DraftModelDrafter:
         if self.cache is not None:
             ends = [min(outcome.start_length + outcome.num_accepted, outcome.start_length + len(outcome.emitted) - 1)
                     for outcome in outcomes]
-            self.cache.keep([slots[: max(0, end - int(length))]
-                             for slots, end, length in zip(self._written, ends, self.cache.lengths)])
+            self.cache.keep([self._kept_path(r, outcome)[: max(0, end - int(length))]
+                             for r, (outcome, end, length) in enumerate(zip(outcomes, ends, self.cache.lengths))])
             self._written = [[] for _ in outcomes]
+            self._node_slots = None
             if len(keep) < len(outcomes) and keep:
                 self.cache.select_rows(keep)
                 self._written = [[] for _ in keep]
@@ -234,6 +326,7 @@ class DraftModelDrafter:
         self.cache = None
         self.rows = []
         self._written = []
+        self._node_slots = None
 
 
 def _fed(tokens: torch.Tensor) -> RoundLayout:
