@@ -29,11 +29,13 @@ import torch
 
 from .config import LookaheadConfig
 from .costmodel import Estimates, ForwardCost
+from .drafters.early_exit import EarlyExit
 from .drafters.ngram_pool import HistoryIndex
 
 
 class SpeculativeMemory:
-    """The estimates of each draft model used with one target (held weakly: a draft that is gone is forgotten).
+    """The estimates of each draft model used with one target (held weakly: a draft that is gone is forgotten),
+    and of each early-exit draft of the target itself (``EarlyExit(N)``: a value, held by value).
 
     Outputs never depend on it (every guess is verified); only speed does. ``enable(model)`` keeps one per model
     as ``model.speculative_memory``; pass ``speculative_memory=None`` for a call that neither reads nor writes
@@ -42,12 +44,14 @@ class SpeculativeMemory:
 
     def __init__(self) -> None:
         self._by_draft: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._by_value: dict[EarlyExit, Estimates] = {}
 
     def estimates(self, draft) -> Estimates:
         """The estimates for ``draft`` (made empty on first use)."""
-        found = self._by_draft.get(draft)
+        table = self._by_value if isinstance(draft, EarlyExit) else self._by_draft
+        found = table.get(draft)
         if found is None:
-            found = self._by_draft[draft] = Estimates()
+            found = table[draft] = Estimates()
         return found
 
     def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
@@ -72,6 +76,7 @@ class SpeculativeMemory:
 
     def clear(self) -> None:
         self._by_draft = weakref.WeakKeyDictionary()
+        self._by_value = {}
 
 
 class LookaheadMemory:
