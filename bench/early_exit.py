@@ -169,7 +169,8 @@ def run(args) -> dict:
                              "first_position": (stats.accepted_per_position[0], stats.drafted_per_position[0])
                              if stats.drafted_per_position else (0, 0),
                              "tokens_per_forward": stats.mean_accepted_length, "rounds_spec_off": stats.rounds_spec_off,
-                             "rounds": stats.rounds, "draft_setup_s": stats.draft_setup_time_s})
+                             "rounds": stats.rounds, "draft_setup_s": stats.draft_setup_time_s,
+                             "draft_s": stats.draft_time_s, "draft_cache_bytes": stats.draft_cache_bytes})
         for row in rows:
             print(json.dumps(row), flush=True)
         record["runs"].extend(rows)
