@@ -23,7 +23,9 @@ tokens masked. Operations:
 ``discard()``                  forget everything written since the last keep (also a failed forward's half-written
                                layers after an out-of-memory);
 ``compact()``                  gather each row's kept columns together and drop the columns no row keeps;
-``select_rows(rows)``          drop the rows that finished.
+``select_rows(rows)``          drop the rows that finished;
+``lend(model)``                a store for an early-exit view of the model (its first layers) starting from this
+                               store's kept keys and values in those layers, without copying them.
 
 Worked example (one row, 10 prompt tokens, a trie round of 4 inputs: the last token and nodes a, b, c where
 b and c are children of a). ``forward`` writes them at slots 10..13 (positions 10, 11, 12, 12); the target
@@ -46,7 +48,7 @@ from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from .layout import BatchInputs, to_model_mask
 
@@ -429,6 +431,44 @@ class KVStore:
         memory, leaves layers of different lengths: each is cropped to the kept columns)."""
         rollback(self.cache, self.width)
         self._reset_written()
+
+    def can_lend(self) -> bool:
+        """Can ``lend`` start another store from this one's tensors? Only full-attention layers (``DynamicLayer``:
+        a forward concatenates new columns into a new tensor); a sliding-window layer keeps a state of its own."""
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def lend(self, model, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "KVStore":
+        """A store for ``model``, whose decoder layers are this store's model's first layers (an early-exit draft,
+        ``drafters/early_exit.py``), holding what this store keeps in those layers: the same key and value tensors
+        (its forwards concatenate into new ones, so nothing it writes reaches this store), the same rows, lengths
+        and mask. The keys and values of the first layers of a model over the same tokens at the same positions
+        are exactly these (LayerSkip's cache reuse), so the view needs no prompt read and no cache of its own.
+        Only between rounds (nothing written since the last keep, which the lent store could not see), and only
+        while ``can_lend``; valid until this store's next forward or keep: a borrower drops it after a round.
+
+        >>> from hf_specdec.drafters.early_exit import early_exit_model
+        >>> from hf_specdec.models.tiny import tiny_model
+        >>> target = tiny_model("llama", num_hidden_layers=4)
+        >>> store = KVStore(target); _ = store.prefill(torch.tensor([[5, 6, 7]]), None)
+        >>> lent = store.lend(early_exit_model(target, 2))
+        >>> len(lent.cache.layers), lent.lengths.tolist(), lent.cache.layers[1].keys is store.cache.layers[1].keys
+        (2, [3], True)
+        >>> _ = lent.forward(BatchInputs(torch.tensor([[8]]), torch.tensor([[0]]), None, None))
+        >>> lent.cache.layers[0].keys.shape[2], store.cache.layers[0].keys.shape[2]  # the lender is untouched
+        (4, 3)
+        """
+        assert self.num_written == 0, "lend between rounds: nothing written since the last keep"
+        assert self.can_lend(), "only full-attention layers can be lent"
+        store = KVStore(model, self.attention, head=head)
+        assert len(store.cache.layers) <= len(self.cache.layers), "the borrower runs the lender's first layers"
+        for mine, theirs in zip(store.cache.layers, self.cache.layers):
+            if _has_states(theirs):
+                mine.lazy_initialization(theirs.keys, theirs.values)
+                mine.keys, mine.values = theirs.keys, theirs.values
+        store.valid = None if self.valid is None else self.valid.clone()
+        store.lengths, store.width = self.lengths.clone(), self.width
+        store._reset_written()
+        return store
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows (in this order): the others finished."""

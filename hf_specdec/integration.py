@@ -29,6 +29,7 @@ from .config import LookaheadConfig, SpecConfig, TreeMode
 from .costmodel import Estimates
 from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.early_exit import EarlyExit, EarlyExitDrafter
 from .drafters.lookahead import LookaheadDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
@@ -64,7 +65,8 @@ def speculative_generate(
 ):
     """``custom_generate`` callable: speculative decoding with ``draft_model`` (see module docstring).
 
-    ``draft_model`` is a causal LM sharing the target's tokenizer, or any object implementing ``Drafter``.
+    ``draft_model`` is a causal LM sharing the target's tokenizer, ``EarlyExit(N)`` (the target's own first N
+    decoder layers, ``drafters/early_exit.py``), or any object implementing ``Drafter``.
     ``speculative_memory``: a ``SpeculativeMemory`` whose estimates for this draft the call starts from and
     refines (on its first call with this draft, seeded from the cached hardware profile: ``models.seeding``);
     None measures from scratch and keeps nothing.
@@ -78,13 +80,17 @@ def speculative_generate(
                          f"{type(speculative_memory).__name__}.")
     rows = input_ids.shape[0]
     check_supported(model, "speculative", rows)
+    key = draft_model  # what the memory keeps its estimates by: EarlyExit(N) itself, not its view made per call
+    if isinstance(draft_model, EarlyExit):
+        key = draft_model.resolved(model, speculative_memory)  # "auto": the N the memory's estimates price best
+        draft_model = key.view(model)
     if not hasattr(draft_model, "propose"):
         check_supported(draft_model, "speculative", rows, role="draft")
     config = _with_trees(config, model, draft_model, rows)
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
-    origin = call_start_speculative(speculative_memory, model, draft_model)  # seeds a memory's first call
-    estimates = speculative_memory.estimates(draft_model) if speculative_memory is not None else Estimates()
+    origin = call_start_speculative(speculative_memory, model, key)  # seeds a memory's first call (a model's)
+    estimates = speculative_memory.estimates(key) if speculative_memory is not None else Estimates()
     if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
         drafter = draft_model
     else:
@@ -92,10 +98,10 @@ def speculative_generate(
         if estimates.draft_read.prior is None:
             estimates.draft_read.prior = compute_share(draft_model, model)
         drafter = ChainDrafter(
-            DraftModelDrafter(draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
-                              draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
-                              special_token_ids=_special_token_ids(generation_config),
-                              pad_token_id=inputs.pad_token_id),
+            (EarlyExitDrafter if isinstance(key, EarlyExit) else DraftModelDrafter)(  # early exit: no cache of its own
+                draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
+                draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
+                special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id),
             PerRow(PromptLookupDrafter) if config.history_lookup else None,
         )
     return _run(model, inputs, drafter, make_policy(config, estimates), spec_streamer, generation_config,
@@ -312,8 +318,8 @@ def _refuse_up_front(model, mode: str, args: tuple, kwargs: dict) -> None:
     rows = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
     check_supported(model, mode, rows)
     draft = kwargs.get("assistant_model")
-    if mode == "speculative" and draft is not None and not hasattr(draft, "propose"):
-        check_supported(draft, mode, rows, role="draft")
+    if mode == "speculative" and isinstance(draft, torch.nn.Module) and not hasattr(draft, "propose"):
+        check_supported(draft, mode, rows, role="draft")  # (EarlyExit(N) is the target's own layers)
     forward = frozenset(inspect.signature(type(model).forward).parameters)
     _check_model_inputs({name: value for name, value in kwargs.items()
                          if name not in _GENERATE_ARGUMENTS and (name in forward or name == "inputs_embeds")})
@@ -386,13 +392,18 @@ def enable(model):
     return model
 
 
-def route_generate(original, *args, model=None, assistant_model=None, decoding=None, spec_config=None,
-                   lookahead_config=None, lookahead_memory=None, speculative_memory=None, **kwargs):
-    """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``decoding``, to ``original``.
+def route_generate(original, *args, model=None, assistant_model=None, assistant_early_exit=None, decoding=None,
+                   spec_config=None, lookahead_config=None, lookahead_memory=None, speculative_memory=None, **kwargs):
+    """Send a ``generate`` call to hf_specdec or, without ``assistant_model``/``assistant_early_exit``/``decoding``,
+    to ``original``.
 
     ``model`` (the model ``original`` generates with) lets a call hf_specdec would refuse be refused before
     ``original`` runs anything (``_refuse_up_front``); without it the refusals come from the callable, after
     generate()'s own preparation."""
+    if assistant_early_exit is None:  # transformers reads it from a generation config passed too
+        assistant_early_exit = getattr(kwargs.get("generation_config"), "assistant_early_exit", None)
+    if assistant_early_exit is not None:
+        assistant_model = _early_exit_draft(assistant_early_exit, assistant_model, decoding)
     mode = decoding if decoding is not None else ("speculative" if assistant_model is not None else None)
     if mode is None:
         if spec_config is not None or lookahead_config is not None:
@@ -416,6 +427,18 @@ def route_generate(original, *args, model=None, assistant_model=None, decoding=N
         raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
     return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
                     spec_config=spec_config, speculative_memory=speculative_memory, spec_streamer=streamer, **kwargs)
+
+
+def _early_exit_draft(layers, assistant_model, decoding) -> EarlyExit:
+    """transformers' ``assistant_early_exit=N`` as hf_specdec's draft: ``EarlyExit(N)``, the target's own first N
+    decoder layers (``drafters/early_exit.py``); the range is checked against the target when the call starts."""
+    if assistant_model is not None:
+        raise ValueError("assistant_early_exit= drafts with the model's own first layers and would ignore "
+                         "assistant_model=; pass one of them.")
+    if decoding == "lookahead":
+        raise ValueError("assistant_early_exit= is a draft for speculative decoding and decoding='lookahead' would "
+                         "ignore it; drop one of them.")
+    return layers if isinstance(layers, EarlyExit) else EarlyExit(layers)
 
 
 def _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config) -> None:

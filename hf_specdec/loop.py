@@ -1,7 +1,8 @@
 """The single decoding loop every mode shares, for one prompt or a batch of them.
 
     prefill the target over the (left-padded) prompts, emit each row's first token, the policy learns what that
-    read cost (a draft model's read of the same prompts is priced from it), prefill the drafter
+    read cost (a draft model's read of the same prompts is priced from it), hand the target's cache to a drafter
+    that reads it (``attach``: an early-exit draft), prefill the drafter
     repeat until every row has stopped:
       1. offer     the drafter says, per row, what it could propose (``round.Offer``)
       2. plan      the policy sizes each row's round (``round.RoundPlan``; nothing in it = a plain step)
@@ -105,6 +106,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     stats.record_prefill(prefill_seconds, emitted=len(rows))
     policy.observe_prefill(int(inputs.input_ids.numel()), prefill_seconds)
     active = _leave(cache, rows)
+    if active and hasattr(drafter, "attach"):  # a drafter that reads the target's own cache (early exit)
+        drafter.attach(cache)
     if active:
         drafter = _guarded(drafter.prefill, [row.view(inputs.max_length) for row in active], drafter, stats)
 

@@ -35,6 +35,7 @@ import torch
 
 from .config import LookaheadConfig
 from .costmodel import Estimates, ForwardCost
+from .drafters.early_exit import EarlyExit
 from .drafters.ngram_pool import HistoryIndex
 
 
@@ -161,7 +162,8 @@ def _started(origin: Seeding | None, measured: bool) -> Seeding:
 
 class SpeculativeMemory:
     """The estimates of each draft model used with one target (held weakly: a draft that is gone is forgotten),
-    and where they started (``origin``).
+    and where they started (``origin``); an early-exit draft of the target itself (``EarlyExit(N)``: a value) is
+    held by value.
 
     Outputs never depend on it (every guess is verified); only speed does. ``enable(model)`` keeps one per model
     as ``model.speculative_memory``; pass ``speculative_memory=None`` for a call that neither reads nor writes
@@ -170,28 +172,34 @@ class SpeculativeMemory:
 
     def __init__(self) -> None:
         self._by_draft: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._by_value: dict[EarlyExit, Estimates] = {}
         self._origins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._origins_by_value: dict[EarlyExit, Seeding] = {}
+
+    def _origin_table(self, draft):
+        return self._origins_by_value if isinstance(draft, EarlyExit) else self._origins
 
     def holds(self, draft) -> bool:
         """Does the memory hold any cost for ``draft`` (seeded or measured)?"""
-        found = self._by_draft.get(draft)
+        found = (self._by_value if isinstance(draft, EarlyExit) else self._by_draft).get(draft)
         return found is not None and bool(found.forward.largest or found.draft_step.largest)
 
     def origin(self, draft) -> Seeding | None:
         """Where ``draft``'s estimates started (None: nothing seeded, and no call made yet)."""
-        return self._origins.get(draft)
+        return self._origin_table(draft).get(draft)
 
     def start_call(self, draft) -> Seeding:
         """Where a call starting now finds ``draft``'s estimates; the calls after it find earlier calls'."""
-        origin = _started(self._origins.get(draft), self.holds(draft))
-        self._origins[draft] = origin.after_call()
+        origin = _started(self.origin(draft), self.holds(draft))
+        self._origin_table(draft)[draft] = origin.after_call()
         return origin
 
     def estimates(self, draft) -> Estimates:
         """The estimates for ``draft`` (made empty on first use)."""
-        found = self._by_draft.get(draft)
+        table = self._by_value if isinstance(draft, EarlyExit) else self._by_draft
+        found = table.get(draft)
         if found is None:
-            found = self._by_draft[draft] = Estimates()
+            found = table[draft] = Estimates()
         return found
 
     def seed(self, draft, forward_seconds: Mapping[int, float] | None = None,
@@ -204,7 +212,7 @@ class SpeculativeMemory:
         each size replaces its seed (``ForwardCost.from_table(prior=True)``), the first reads timed here replace
         the share. ``origin``: where they came from, what the next call's stats show (``models.seeding`` passes
         the profile it read, or priors when it held nothing); default ``GIVEN_COSTS``."""
-        self._origins[draft] = origin if origin is not None else GIVEN_COSTS
+        self._origin_table(draft)[draft] = origin if origin is not None else GIVEN_COSTS
         estimates = self.estimates(draft)
         if forward_seconds:
             estimates.forward = ForwardCost.from_table(forward_seconds, prior=True)
@@ -219,6 +227,8 @@ class SpeculativeMemory:
     def clear(self) -> None:
         self._by_draft = weakref.WeakKeyDictionary()
         self._origins = weakref.WeakKeyDictionary()
+        self._by_value = {}
+        self._origins_by_value = {}
 
 
 class LookaheadMemory:

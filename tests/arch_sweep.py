@@ -8,6 +8,8 @@ reference (a full forward over the whole sequence every step), and then with hf_
     speculative_random   the same with a random draft of the same architecture (another seed)
     lookahead            custom_generate=hf_specdec.lookahead_generate
 
+and, on request (``--modes early_exit``), ``draft_model=EarlyExit(1)``: the target's first layer drafts for it.
+
 Each (architecture, mode) is classified:
 
     exact        the tokens equal plain generate's (or the no-cache reference's, where plain generate disagrees)
@@ -622,6 +624,7 @@ def _where(error: BaseException) -> str:
 def run_mode(mode: str, target, draft, prompt, n: int, spec_config=SPEC_CONFIG, lookahead_config=LOOKAHEAD_CONFIG):
     """One hf_specdec generation through the public API; returns the new tokens."""
     import hf_specdec
+    from hf_specdec.drafters.early_exit import EarlyExit
 
     ids = _prompt_tensor(prompt)
     kwargs = _greedy_kwargs(n, target)
@@ -636,6 +639,10 @@ def run_mode(mode: str, target, draft, prompt, n: int, spec_config=SPEC_CONFIG, 
         elif mode == "speculative_random":
             out = type(target).generate(target, ids, attention_mask=torch.ones_like(ids),
                                         custom_generate=hf_specdec.speculative_generate, draft_model=draft, **kwargs)
+        elif mode == "early_exit":  # not in MODES: run it with --modes early_exit
+            out = type(target).generate(target, ids, attention_mask=torch.ones_like(ids),
+                                        custom_generate=hf_specdec.speculative_generate,
+                                        draft_model=EarlyExit(1), **kwargs)
         elif mode == "lookahead":
             out = type(target).generate(target, ids, attention_mask=torch.ones_like(ids),
                                         custom_generate=hf_specdec.lookahead_generate, lookahead_memory=None,

@@ -25,6 +25,7 @@ probability 1e-3 for an unlucky seed, and then fails deterministically until the
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -55,11 +56,12 @@ DRAWS = 1200
 MIN_EXPECTED = 5.0
 
 
-def sampling_model(seed: int = 0, head_scale: float = 20.0):
-    """One layer, vocabulary V; the output layer scaled up so that the logits spread over a few units (random
-    init gives an almost uniform distribution, on which temperature, top-k/p and penalties do little)."""
+def sampling_model(seed: int = 0, head_scale: float = 20.0, layers: int = 1):
+    """One layer (or ``layers``), vocabulary V; the output layer scaled up so that the logits spread over a few
+    units (random init gives an almost uniform distribution, on which temperature, top-k/p and penalties do
+    little)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
     model = LlamaForCausalLM(config).eval()
@@ -391,3 +393,57 @@ def test_rejects_processors_at_the_wrong_prefix(target, exact, clock, monkeypatc
     monkeypatch.setattr(loop, "_process", committed_prefix_only)
     counts, _ = draw(target, DRAWS, seed=2, **SAMPLING, **speculative(target, num_draft_tokens=4))
     assert_rejected(counts, exact)
+
+
+# -- early-exit self-drafting (drafters/early_exit.py) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_layers():
+    """Two layers, so that the first one can draft for both (``EarlyExit(1)``)."""
+    return sampling_model(seed=1, layers=2)
+
+
+@pytest.fixture(scope="module")
+def exact_two_layers(two_layers):
+    return exact_distribution(two_layers, PROMPT, NEW, processors(**SAMPLING))
+
+
+class MisreportedEarlyExit:
+    """The early-exit draft's chain with its distributions misreported: each row sharpened (q^3, normalised), while
+    the tokens were drawn from q itself. A negative control: rejection sampling is then biased."""
+
+    def __init__(self, target) -> None:
+        from hf_specdec.drafters.draft_model import DraftModelDrafter
+        from hf_specdec.drafters.early_exit import early_exit_model
+
+        self.inner = DraftModelDrafter(early_exit_model(target, 1), processors(**SAMPLING), do_sample=True,
+                                       vocab_size=V)
+
+    def propose(self, views, plans):
+        def sharpened(q):
+            return None if q is None else q.pow(3) / q.pow(3).sum(-1, keepdim=True)
+
+        return [dataclasses.replace(p, draft_probs=sharpened(p.draft_probs)) for p in self.inner.propose(views, plans)]
+
+    def __getattr__(self, name):  # prefill, offer, update, cache_bytes, release: the early-exit drafter's own
+        return getattr(self.inner, name)
+
+
+def test_speculative_early_exit_draft(two_layers, exact_two_layers, monkeypatch):
+    """The first layer of two drafts (its own processed distribution, sampled): rejections, recovered tokens and
+    bonus tokens, and exactly the two-layer target's distribution."""
+    from hf_specdec.drafters.early_exit import EarlyExit
+
+    VirtualClock(monkeypatch).charge(monkeypatch, two_layers, lambda n: 1.0, name="target")
+    counts, stats = draw(two_layers, DRAWS, seed=8, **SAMPLING, **speculative(EarlyExit(1), num_draft_tokens=4))
+    accepted, drafted = sum_stats(stats, "accepted"), sum_stats(stats, "drafted")
+    print(f"early exit: {accepted} of {drafted} draft tokens accepted")  # 2160 of 2527
+    assert 0.2 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
+    assert_fits(counts, exact_two_layers)
+
+
+def test_rejects_an_early_exit_draft_with_misreported_probs(two_layers, exact_two_layers, monkeypatch):
+    VirtualClock(monkeypatch).charge(monkeypatch, two_layers, lambda n: 1.0, name="target")
+    counts, stats = draw(two_layers, DRAWS, seed=8, **SAMPLING,
+                         **speculative(MisreportedEarlyExit(two_layers), num_draft_tokens=4))
+    assert sum_stats(stats, "accepted") > 0
+    assert_rejected(counts, exact_two_layers)

@@ -9,6 +9,10 @@ works on the rows of a batch (one row for one prompt), each seen as a ``round.Ro
 ``propose(views, plans)``    per row, the guesses the policy's ``RoundPlan`` asks for (``round.Proposal``);
 ``update(outcomes)``         per row, the round's ``RoundOutcome``, so it keeps its state in step (a row whose
                              outcome is ``finished`` is gone from the next round);
+``attach(cache)``            optional: the target's ``cache.KVStore``, once it has read the prompts (before
+                             ``prefill``), for a drafter that reads the target's own keys and values (an early-exit
+                             draft borrows its first layers: ``drafters/early_exit.py``); the loop calls it only on
+                             drafters that have it;
 ``cache_bytes()``            bytes its own caches hold now (a draft model's KV cache; 0 without one), reported in
                              the stats at the end of a call;
 ``release()``                drop all state (caches) to free memory; it is not used again.
@@ -124,6 +128,11 @@ class ChainDrafter:
     def __init__(self, model: Drafter, lookup: PerRow | None = None) -> None:
         self.model, self.lookup = model, lookup
         self.parts = tuple(part for part in (model, lookup) if part is not None)
+
+    def attach(self, cache) -> None:
+        for part in self.parts:
+            if hasattr(part, "attach"):
+                part.attach(cache)
 
     def prefill(self, views: Sequence[RowView]) -> None:
         for part in self.parts:

@@ -121,19 +121,22 @@ class DraftModelDrafter:
     def _read(self, views: Sequence[RowView]) -> float:
         """Prefill the draft's cache with every row's committed tokens but the last; returns the seconds."""
         start = time.perf_counter()
-        head = None
-        if self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model):
-            keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
-                              torch.tensor(self.special_token_ids, dtype=torch.long)])
-            scored = min(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])  # rows it has
-            head = SubVocabHead(self.model, torch.unique(keep[keep < scored]).to(self.device),
-                                self.vocab_size)
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        self.cache = kv.KVStore(self.model, attention, head=head)
+        self.cache = kv.KVStore(self.model, attention, head=self._narrow_head(views))
         prompts, mask = _left_padded([self._readable(view.ids[:-1]) for view in views], self.pad_token_id)
         self.cache.prefill(prompts, mask, logits_at=1)
         self._written = [[] for _ in views]
         return time.perf_counter() - start
+
+    def _narrow_head(self, views: Sequence[RowView]) -> SubVocabHead | None:
+        """The narrowed output layer (module docstring) over ``draft_vocab_size`` ids, the prompts' tokens and the
+        special tokens; None when the draft scores its whole vocabulary."""
+        if not (self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model)):
+            return None
+        keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
+                          torch.tensor(self.special_token_ids, dtype=torch.long)])
+        scored = min(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])  # rows it has
+        return SubVocabHead(self.model, torch.unique(keep[keep < scored]).to(self.device), self.vocab_size)
 
     def _logits(self, feeds: list[torch.Tensor]) -> torch.Tensor:
         """Each row's ``feeds[r]`` ([u_r] tokens, >= 1) written after what the row wrote this round (after its kept
