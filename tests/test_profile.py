@@ -108,12 +108,16 @@ def test_profile_round_trips_and_feeds_the_cost_model():
 # the cache
 
 
-def _fake_measurer(calls):
-    def measure(config, role, fmt, device, weights=None):
+def _fake_measurer(calls, slow=()):
+    """Formats cost bf16 0.2 s, fp32 0.3 s, others 0.1 s a step (``slow`` ones 1.0 s); 8-bit is unavailable. Like
+    ``measure_format`` it stops at a probe of t(1) when that is over ``slower_than``."""
+    def measure(config, role, fmt, device, weights=None, slower_than=None):
         calls.append((role, fmt))
+        if slower_than is not None and fmt in slow and 1.0 > slower_than:
+            return P.FormatCost(fmt, {1: 1.0}, footprint_bytes=1000, method="probe")
         if fmt == "8bit":
             raise F.FormatUnavailable("bitsandbytes 8-bit kernels need wider layers")
-        base = {"bf16": 0.2, "fp32": 0.3}.get(fmt, 0.1)
+        base = 1.0 if fmt in slow else {"bf16": 0.2, "fp32": 0.3}.get(fmt, 0.1)
         sizes = F.role_sizes(role)
         return P.FormatCost(fmt, {n: base * (1 + 0.01 * n) for n in sizes},
                             P.PREFILL_TOKENS if role == "target" else 0,
@@ -146,6 +150,37 @@ def test_get_profile_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     other = type(config).from_dict({**config.to_dict(), "hidden_size": 128})
     assert S.get_profile(other, cache_dir=tmp_path, measurer=measure, cached_only=True).target == ()
     assert calls == []
+
+
+def test_a_draft_format_slower_than_a_measured_one_stops_at_its_probe(tmp_path):
+    """Once a draft format is measured, the next ones are measured under a bound of SLOWER_MARGIN times its t(1):
+    one over it keeps its probe (t(1) alone), is cached as such, and is never chosen."""
+    config = tiny_model("qwen2").config
+    calls, bounds = [], []
+    fake = _fake_measurer(calls, slow=("int4",))
+
+    def measure(config, role, fmt, device, weights=None, **bound):
+        bounds.append((fmt, bound.get("slower_than")))
+        return fake(config, role, fmt, device, weights, **bound)
+
+    profile = S.get_profile(None, config, cache_dir=tmp_path, measurer=measure, draft_formats=["bf16", "int4"])
+    assert bounds == [("bf16", None), ("int4", pytest.approx(S.SLOWER_MARGIN * 0.2 * 1.01))]  # nothing to beat first
+    assert profile.draft_entry("int4").method == "probe" and profile.draft_entry("int4").table == {1: 1.0}
+    assert "int4 1000.0 ms" in profile.describe() and "a probe" in profile.describe()
+    assert C.choose_draft_format(profile).value == "bf16"
+    calls.clear()
+    again = S.get_profile(None, config, cache_dir=tmp_path, measurer=measure, draft_formats=["bf16", "int4"])
+    assert calls == [] and again.draft == profile.draft  # the probe is cached: not tried again
+
+
+def test_measure_format_stops_at_the_probe_over_its_bound():
+    """The real measurer on a tiny config: under an impossible bound it times one step of each proxy and returns
+    t(1) alone; without one it measures every size."""
+    config = tiny_model("llama").config
+    probe = M.measure_format(config, "draft", "fp32", slower_than=1e-9)
+    assert probe.method == "probe" and list(probe.table) == [1] and probe.t1 > 0 and not probe.read_table
+    full = M.measure_format(config, "draft", "fp32", slower_than=1e3, read_tokens=(16,))
+    assert full.method == "proxy" and list(full.table) == list(F.role_sizes("draft")) and full.read_table
 
 
 def test_cached_costs_for_loaded_models_never_measure(tmp_path):

@@ -52,6 +52,7 @@ from .profile import CONTEXT_TOKENS, PREFILL_TOKENS, FormatCost, text_config
 REPEATS = 3
 ROUNDS, MAX_ROUNDS, ROUNDS_AGREE = 2, 4, 0.15  # proxy rounds: 2, up to 4 until two agree within 15%
 DRAFT_READ_TOKENS = (16, 64, 256)  # prompt lengths the draft's prompt read is measured at
+PROBE_REPEATS = 2  # steps a proxy is timed for before the format is measured in full (``slower_than``)
 
 
 def _sync(device: torch.device) -> None:
@@ -230,7 +231,8 @@ def _agreeing(scaled: list[float]) -> bool:
 
 def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: str | None = None, *,
                    sizes: Sequence[int] | None = None, repeats: int = REPEATS, context_tokens: int = CONTEXT_TOKENS,
-                   prefill_tokens: int = PREFILL_TOKENS, read_tokens: Sequence[int] = DRAFT_READ_TOKENS) -> FormatCost:
+                   prefill_tokens: int = PREFILL_TOKENS, read_tokens: Sequence[int] = DRAFT_READ_TOKENS,
+                   slower_than: float | None = None) -> FormatCost:
     """Measure one format by proxies (see the module docstring): t(n) (a target: ``sizes``, default
     ``TARGET_SIZES``; a draft: a step over ``DRAFT_SIZES`` rows), for a target the prefill, for a draft its
     prompt read at ``read_tokens`` prompt tokens; scaled to the real layer count.
@@ -238,6 +240,13 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
     The 2-layer and 1-layer proxies are timed in alternating rounds (``forward_times`` medians), at least
     ``ROUNDS`` and up to ``MAX_ROUNDS`` until two rounds agree; each time is the fastest round's (interference
     from other processes only ever adds time).
+
+    ``slower_than`` (seconds): a bound the format is worth measuring under. One step of each proxy is timed
+    first (``PROBE_REPEATS``); when the scaled t(1) is above the bound the format is not measured further and the
+    result holds that t(1) alone (``method="probe"``). A draft format slower than one already measured can never
+    be chosen (``choose.choose_draft_format`` takes the fastest), and measuring a slow format in full is where
+    a first load's time went: on the AVX2-only EPYC the int4 0.5B draft proxy stepped in seconds and its full
+    measurement took 343 s (docs/benchmarks.md).
 
     bitsandbytes 8-bit (LLM.int8) is the exception: its matmul splits off the activation columns above its
     outlier threshold, which real models have and random proxies do not (a 0.5B proxy measured 28 ms, the real
@@ -254,6 +263,12 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
         try:
             proxies = {2: build_proxy(config, fmt, device, 2, workdir)}
             proxies[1] = one_layer_view(proxies[2])
+            if slower_than is not None:
+                probe = _probe_t1(proxies, layers, context_tokens)
+                if probe > slower_than:
+                    footprint = int(_scaled(footprint_bytes(proxies[1]), footprint_bytes(proxies[2]), layers))
+                    return FormatCost(fmt, {1: probe}, footprint_bytes=footprint, method="probe",
+                                      context_tokens=context_tokens)
             for done in range(1, MAX_ROUNDS + 1):
                 for count in (2, 1):
                     rounds[count].append(_timings(proxies[count], role, sizes, repeats, context_tokens,
@@ -277,6 +292,16 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
     footprint = int(_scaled(rounds[1][0].footprint, rounds[2][0].footprint, layers))
     return FormatCost(fmt, step, prefill_tokens if prefill is not None else 0, prefill, footprint, "proxy",
                       context_tokens, reads)
+
+
+def _probe_t1(proxies: Mapping[int, Any], layers: int, context_tokens: int) -> float:
+    """t(1) of the real layer count from one short timing of each proxy (``PROBE_REPEATS`` steps after a
+    warm-up): enough to tell a format several times slower than another, never to price it."""
+    vocab = int(proxies[2].get_input_embeddings().weight.shape[0])
+    ids = _token_ids(context_tokens, vocab)
+    with _quiet_bitsandbytes():
+        one, two = (forward_times(proxies[count], ids, (1,), PROBE_REPEATS)[1] for count in (1, 2))
+    return _scaled(one, two, layers)
 
 
 def _fastest(samples: Sequence[Timing]) -> Timing:

@@ -40,6 +40,7 @@ from .hardware import cpu_flags, cpu_model, resolve_device
 SCHEMA = "hf_specdec.profile/1"
 CONTEXT_TOKENS = 100
 PREFILL_TOKENS = 256
+METHODS = ("proxy", "real", "given", "probe")  # how a FormatCost was measured (FormatCost.method)
 # flags that decide what runs fast on a CPU: native bf16 / fp16 / int8 dot products and tiles
 PROFILE_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16",
                      "amx_int8", "amx_fp16")
@@ -193,7 +194,9 @@ class FormatCost:
     ``step``: ((n, seconds), ...) ascending, t(n) over a cached prefix of ``context_tokens`` (a draft format: a
     step over n rows); ``prefill_tokens`` / ``prefill_s``: one forward over a prompt of that length into an
     empty cache (0 / None: not measured); ``footprint_bytes``: the real model's weights in this format;
-    ``method``: "proxy" (scaled from 1- and 2-layer proxies), "real" (the model itself) or "given";
+    ``method``: "proxy" (scaled from 1- and 2-layer proxies), "real" (the model itself), "given", or "probe"
+    (t(1) alone, from a short timing of the proxies: the format was slower than one measured before it and was not
+    measured further, ``measure.measure_format(slower_than=)``);
     ``prompt_read`` (a draft format): ((tokens, seconds), ...), its prefill over prompts of those lengths, warm
     (() : not measured, as in cache files written before it was measured).
     """
@@ -214,8 +217,8 @@ class FormatCost:
             raise ValueError(f"FormatCost.step must hold t(1) and distinct sizes >= 1, got {step!r}")
         object.__setattr__(self, "step", step)
         object.__setattr__(self, "prompt_read", _seconds_table("prompt_read", self.prompt_read))
-        if self.method not in ("proxy", "real", "given"):
-            raise ValueError(f"FormatCost.method={self.method!r}: use 'proxy', 'real' or 'given'")
+        if self.method not in METHODS:
+            raise ValueError(f"FormatCost.method={self.method!r}: use one of {', '.join(METHODS)}")
         if (self.prefill_s is None) != (self.prefill_tokens == 0):
             raise ValueError("FormatCost: prefill_tokens and prefill_s go together (0 and None: not measured)")
         if self.prefill_s is not None:
@@ -408,6 +411,7 @@ class HardwareProfile:
         if self.draft:
             lines.append("  draft t(1): " + ", ".join(
                 f"{e.format} {e.t1 * 1e3:.1f} ms" + (f" ({e.footprint_bytes / 1e9:.2f} GB)" if e.footprint_bytes else "")
+                + (" (a probe: slower than another format, not measured further)" if e.method == "probe" else "")
                 for e in self.draft))
             if any(len(e.step) > 1 for e in self.draft):  # what a batched draft step costs
                 lines.append("  draft step ms by rows")

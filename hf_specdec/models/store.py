@@ -31,7 +31,11 @@ from .refs import config_of
 
 logger = logging.getLogger(__name__)
 
-Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights) -> FormatCost
+Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights, slower_than=None) -> FormatCost
+# A draft format is measured in full only while it can still be chosen: once one format is measured, another whose
+# first steps take over SLOWER_MARGIN times its t(1) is left at that probe (the chooser takes the fastest within
+# 5%; the margin keeps a probe that another process slowed from ruling a format out).
+SLOWER_MARGIN = 2.0
 
 
 def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
@@ -91,7 +95,9 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
     Each (role, format) comes from the cache when its key matches, else it is measured (``measurer``, default
     :func:`hf_specdec.models.measure.measure_format`) and cached. ``refresh``: measure everything again;
     ``cached_only``: never measure (what is not cached is left out). Formats that cannot be measured here are
-    left out with a note. A damaged cache entry is measured again and a cache that cannot be written is
+    left out with a note. A draft format whose first steps are over ``SLOWER_MARGIN`` times the fastest draft
+    format's t(1) so far is kept at that probe (``FormatCost.method == "probe"``): it cannot be chosen, and
+    measuring it in full could take minutes (``measure.measure_format(slower_than=)``). A damaged cache entry is measured again and a cache that cannot be written is
     warned about: neither raises.
     """
     device = resolve_device(device)
@@ -112,8 +118,10 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
             if cost is None and not cached_only:
                 log(f"measuring the {role} in {fmt} on {identity.label} (once; cached in {key.path(cache_dir)})")
                 start = time.perf_counter()
+                fastest = min((e.t1 for e in entries[role]), default=None)
+                bound = {"slower_than": SLOWER_MARGIN * fastest} if role == "draft" and fastest else {}
                 try:
-                    cost = measurer(config, role, fmt, device, weights)
+                    cost = measurer(config, role, fmt, device, weights, **bound)
                 except FormatUnavailable as err:
                     notes.append(f"{role} {fmt}: {err}")
                     continue
