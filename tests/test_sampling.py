@@ -319,11 +319,12 @@ def seeded_adaptive(monkeypatch):
 
 def test_speculative_adaptive_with_prompt_lookup_tail(target, draft, exact, clock, monkeypatch):
     """One sampled draft token (max_draft_tokens=1), then prompt lookup's continuation of the repetitive prompt
-    as a one-hot row in draft_probs, then the bonus token."""
+    as a one-hot row in draft_probs, then the bonus token. A chain's tail (``tree="off"``): at these flat costs
+    ``tree="auto"`` verifies the draft's siblings instead (tests/test_tree.py samples those)."""
     seeded_adaptive(monkeypatch)
     clock.charge(monkeypatch, draft, lambda n: 0.01, name="draft")
     counts, stats = draw(target, DRAWS, seed=5, **SAMPLING,
-                         **speculative(draft, policy="adaptive", num_draft_tokens=1, max_draft_tokens=1))
+                         **speculative(draft, policy="adaptive", num_draft_tokens=1, max_draft_tokens=1, tree="off"))
     assert sum_stats(stats, "draft_forwards") > 0
     print(f"lookup tokens: {sum_stats(stats, 'lookup_drafted')} drafted, {sum_stats(stats, 'lookup_accepted')} accepted")
     assert sum_stats(stats, "lookup_drafted") > 0.05 * DRAWS, sum_stats(stats, "lookup_drafted")
