@@ -42,3 +42,13 @@ def close_draft(target):
 @pytest.fixture
 def prompt():
     return torch.tensor([[5, 17, 42, 8, 23, 61, 2, 9]])
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny forwards gain nothing from threads, and on a shared 2-core machine they wait for each other: a module
+    that samples thousands of tiny calls runs them on one (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,6 +19,8 @@ from hf_specdec.drafters.early_exit import EarlyExit, EarlyExitUnsupported, earl
 from tests.clock import VirtualClock
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 LAYERS = 4
 NEW = 32
 PROMPT = torch.tensor([[5, 17, 42, 8, 23, 61, 2, 9]])
@@ -35,15 +37,6 @@ def shallow_tail(model, keep: int, scale: float = 0.05):
                     parameter.mul_(scale)
     del base
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards gain nothing from threads, and on a shared 2-core machine they wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

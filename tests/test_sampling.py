@@ -46,6 +46,8 @@ from hf_specdec.verify import Verdict
 from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 V = 8
 NEW = 4
 PROMPT = torch.tensor([[6, 2, 4, 6, 2, 4, 6, 2]])  # repetitive: prompt lookup and lookahead find continuations
@@ -146,15 +148,6 @@ def assert_rejected(counts, probs):
     p = p_value(counts, probs)
     print(f"p = {p:.3g} over {sum(counts.values())} draws (must be < {ALPHA})")
     assert p < ALPHA, f"p = {p:.3g}: the test cannot tell these draws from the distribution"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards gain nothing from threads, and on a shared 2-core machine they wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

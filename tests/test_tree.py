@@ -34,6 +34,8 @@ from tests.conftest import char_tokenizer, perturbed_copy, tiny_model
 from tests.test_sampling import (DRAWS, NEW, PROMPT, SAMPLING, V, assert_fits, assert_rejected, exact_distribution,
                                  processors, sampling_model)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TREE = SpecConfig(tree="on", history_lookup=False)  # trees in every drafting round, no prompt-lookup rounds
 LENGTH = 40
 
@@ -179,14 +181,6 @@ def unsure_draft(sampler):
     """A draft that often ranks the target's choice second: its first choice is rejected often enough for the
     siblings to matter. Made before any clock wraps the target's forward, which a deep copy would share."""
     return perturbed_copy(sampler, 0.03)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sample_trees(model, draft, seed, draws=DRAWS):
