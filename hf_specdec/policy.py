@@ -535,8 +535,9 @@ class Planner:
         if best_k > 0:
             saved = self._saved(price, best_k, gains, remaining) if read else 0.0
             if read and saved <= self.settings.setup_margin * read:
-                return Decision(0, why=f"{READ_NOT_REPAID}: {read:.2f} s to read, ~{saved:.2f} s saved "
-                                       f"over the {remaining} tokens left")
+                gain = f"~{saved:.2f} s saved" if saved > 0 else "nothing saved at the worst verify cost"
+                return Decision(0, why=f"{READ_NOT_REPAID}: {read:.2f} s to read, {gain} over the {remaining} "
+                                       f"tokens left")
             # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which
             # sees each token's confidence, decides where it stops
             return Decision(budget if self._confidence_stop(price.rows) else best_k)
