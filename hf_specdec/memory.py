@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import torch
 
@@ -176,27 +176,30 @@ class SpeculativeMemory:
         self._origins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._origins_by_value: dict[EarlyExit, Seeding] = {}
 
-    def _origin_table(self, draft):
-        return self._origins_by_value if isinstance(draft, EarlyExit) else self._origins
+    def _tables(self, draft) -> tuple[MutableMapping, MutableMapping]:
+        """``draft``'s (estimates, origins) tables: by value for ``EarlyExit(N)``, weakly by the object else."""
+        if isinstance(draft, EarlyExit):
+            return self._by_value, self._origins_by_value
+        return self._by_draft, self._origins
 
     def holds(self, draft) -> bool:
         """Does the memory hold any cost for ``draft`` (seeded or measured)?"""
-        found = (self._by_value if isinstance(draft, EarlyExit) else self._by_draft).get(draft)
+        found = self._tables(draft)[0].get(draft)
         return found is not None and bool(found.forward.largest or found.draft_step.largest)
 
     def origin(self, draft) -> Seeding | None:
         """Where ``draft``'s estimates started (None: nothing seeded, and no call made yet)."""
-        return self._origin_table(draft).get(draft)
+        return self._tables(draft)[1].get(draft)
 
     def start_call(self, draft) -> Seeding:
         """Where a call starting now finds ``draft``'s estimates; the calls after it find earlier calls'."""
         origin = _started(self.origin(draft), self.holds(draft))
-        self._origin_table(draft)[draft] = origin.after_call()
+        self._tables(draft)[1][draft] = origin.after_call()
         return origin
 
     def estimates(self, draft) -> Estimates:
         """The estimates for ``draft`` (made empty on first use)."""
-        table = self._by_value if isinstance(draft, EarlyExit) else self._by_draft
+        table = self._tables(draft)[0]
         found = table.get(draft)
         if found is None:
             found = table[draft] = Estimates()
@@ -212,7 +215,7 @@ class SpeculativeMemory:
         each size replaces its seed (``ForwardCost.from_table(prior=True)``), the first reads timed here replace
         the share. ``origin``: where they came from, what the next call's stats show (``models.seeding`` passes
         the profile it read, or priors when it held nothing); default ``GIVEN_COSTS``."""
-        self._origin_table(draft)[draft] = origin if origin is not None else GIVEN_COSTS
+        self._tables(draft)[1][draft] = origin if origin is not None else GIVEN_COSTS
         estimates = self.estimates(draft)
         if forward_seconds:
             estimates.forward = ForwardCost.from_table(forward_seconds, prior=True)

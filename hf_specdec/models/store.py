@@ -97,8 +97,8 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
     ``cached_only``: never measure (what is not cached is left out). Formats that cannot be measured here are
     left out with a note. A draft format whose first steps are over ``SLOWER_MARGIN`` times the fastest draft
     format's t(1) so far is kept at that probe (``FormatCost.method == "probe"``): it cannot be chosen, and
-    measuring it in full could take minutes (``measure.measure_format(slower_than=)``). A damaged cache entry is measured again and a cache that cannot be written is
-    warned about: neither raises.
+    measuring it in full could take minutes (``measure.measure_format(slower_than=)``). A damaged cache entry is
+    measured again and a cache that cannot be written is warned about: neither raises.
     """
     device = resolve_device(device)
     measurer = measurer or measure.measure_format
