@@ -13,7 +13,8 @@ a real first call. Modes, interleaved per prompt (the order rotated by one each 
 
 - ``plain``: transformers' own ``generate`` (``type(model).generate``, past ``enable``) in the dtype ``auto``
   chose; the reference every output is compared with.
-- ``plain_other``: the target loaded in the other of bf16 / fp32 (``--no-other-dtype`` skips it). Speedups
+- ``plain_other``: the target loaded in the other of bf16 / fp32, or dense fp32 where ``auto`` chose
+  "fp32-packed" (``--no-other-dtype`` skips it). Speedups
   are over the faster plain dtype of each prompt (the per-prompt minimum of the two times), so the baseline
   is never slower than either dtype alone.
 - ``plain_again``: ``plain`` a second time (A/A): how far two runs of the same code differ here.
@@ -28,6 +29,11 @@ a real first call. Modes, interleaved per prompt (the order rotated by one each 
 - ``fresh_old`` / ``after_short_old`` (``--old COMMIT``): the same two from an older commit, exported with
   ``git archive`` and imported as ``hf_specdec_old`` (as ``bench/lookahead_before_after.py``), over the same
   model objects, in the same interleaved run.
+
+``--repeat N`` runs every mode N times a prompt, the order rotated once more each time, and sums the times: on
+a shared 2-core machine one run of a prompt differs from the next by up to ~15% (the A/A column), more than the
+worst-prompt bar allows. ``after_short`` gets a new ``enable`` and short call each repeat, so no call's memory
+has seen its prompt before.
 
 The first mode of ``--modes`` makes the process's first call (default ``fresh``); the JSON records which.
 ``load_pair`` measures the hardware profile once per machine and caches it (its forwards then run before the
@@ -150,7 +156,9 @@ def load_models(args):
                 "profile_measured_here": measured}
         other = None
         if not args.no_other_dtype:
-            other_dtype = "fp32" if info.dtype == "bfloat16" else "bf16"
+            # a packed target's other: the dense fp32 model, transformers' own fp32 path (what a user has without
+            # hf_specdec); a dense target's: the other of bf16 / fp32
+            other_dtype = "fp32" if info.dtype == "bfloat16" or info.quantize == "fp32-packed" else "bf16"
             other, _, other_info = load_model(args.target, dtype=other_dtype)
             load["other"] = jsonable(_info(other_info))
     load["target"]["format"] = model_format(model)
@@ -187,7 +195,7 @@ class Runner:
         self.args, self.model, self.other, self.draft, self.tokenizer = args, model, other, draft, tokenizer
         self.packages = packages  # {"": hf_specdec, "_old": hf_specdec_old}
         self.enabled_by = None
-        self.sessions: dict[str, tuple] = {}  # after_short mode -> (speculative_memory, lookahead_memory)
+        self.sessions: dict[str, tuple] = {}  # after_short mode (#repeat) -> (speculative_memory, lookahead_memory)
         self.short: dict[str, dict] = {}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.common = dict(do_sample=False, pad_token_id=pad)
@@ -207,7 +215,7 @@ class Runner:
         seconds = time.perf_counter() - start
         return out[0, inputs["input_ids"].shape[1]:].tolist(), seconds
 
-    def run(self, mode: str, inputs):
+    def run(self, mode: str, inputs, rep: int = 0):
         args, model = self.args, self.model
         if mode in ("plain", "plain_again"):
             return (*self._timed(lambda **kw: type(model).generate(model, **kw), inputs, args.new_tokens), None)
@@ -218,17 +226,18 @@ class Runner:
         if mode.startswith("fresh"):
             self._enable(package)  # a script: enable(model), then generate once
         else:
-            if mode not in self.sessions:  # the run's one enable, first used by a short call
+            key = mode if rep == 0 else f"{mode}#{rep + 1}"  # each repeat its own memory: none sees a prompt twice
+            if key not in self.sessions:  # the run's (the repeat's) one enable, first used by a short call
                 self._enable(package)
-                self.sessions[mode] = (model.speculative_memory, model.lookahead_memory)
+                self.sessions[key] = (model.speculative_memory, model.lookahead_memory)
                 short = self.tokenizer(args.short_prompt, return_tensors="pt")
                 model.last_spec_stats = None
                 tokens, seconds = self._timed(lambda **kw: model.generate(**kw, assistant_model=self.draft),
                                               short, args.short_tokens)
-                self.short[mode] = {"prompt": args.short_prompt, "tokens": len(tokens), "seconds": round(seconds, 4),
+                self.short[key] = {"prompt": args.short_prompt, "tokens": len(tokens), "seconds": round(seconds, 4),
                                     "stats": stats_record(getattr(model, "last_spec_stats", None))}
             else:
-                self._enable(package, self.sessions[mode])
+                self._enable(package, self.sessions[key])
         model.last_spec_stats = None
         tokens, seconds = self._timed(lambda **kw: model.generate(**kw, assistant_model=self.draft), inputs,
                                       args.new_tokens)
@@ -257,7 +266,8 @@ def summarize(records, modes, baseline_modes):
                  "identical_to_plain": f"{sum(r['modes'][mode]['identical_to_plain'] for r in records)}"
                                        f"/{len(records)}"}
         if mode in SPEC_MODES:
-            stats = [r["modes"][mode]["stats"] or {} for r in records]
+            stats = [s or {} for r in records for s in [r["modes"][mode]["stats"], *r["modes"][mode].get(
+                "stats_repeats", [])]]
             for key in ("rounds", "drafted", "accepted", "rounds_spec_off"):
                 entry[key] = sum(s.get(key) or 0 for s in stats)
             entry["calls_never_drafted"] = sum(1 for s in stats if not s.get("drafted"))
@@ -295,7 +305,8 @@ def bars(summary, has_bf16_units: bool) -> dict:
 
 def markdown(report) -> str:
     s, machine = report["summary"], report["machine"]
-    lines = [f"first_call: {report['prompts']} held-out prompts, {report['new_tokens']} new tokens, greedy; "
+    repeats = f", each mode {report['repeat']} times a prompt (times summed)" if report["repeat"] > 1 else ""
+    lines = [f"first_call: {report['prompts']} held-out prompts, {report['new_tokens']} new tokens{repeats}, greedy; "
              f"{machine['cpu_model']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}; bf16 units: "
              f"{'yes' if machine['bf16_units'] else 'no'}), {machine['torch_threads']} threads, torch "
              f"{machine['torch']}, transformers {machine['transformers']}; target "
@@ -346,6 +357,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-other-dtype", action="store_true", help="skip plain in the other of bf16/fp32")
     parser.add_argument("--old", default=None, help="an older commit: adds fresh_old and after_short_old")
     parser.add_argument("--modes", default=None, help="comma-separated subset and order (default: all)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every mode N times per prompt, the order rotated each time; times summed")
     parser.add_argument("--tiny", action="store_true", help="tiny random pair: a smoke run of the script")
     parser.add_argument("--out", default=None, help="folder for first_call.json and first_call.md")
     args = parser.parse_args(argv)
@@ -368,23 +381,33 @@ def main(argv=None) -> int:
         runner = Runner(args, model, other, draft, tokenizer, packages)
         records, first = [], None
         for i, (pid, style, inputs) in enumerate(prompts):
-            order = modes[i % len(modes):] + modes[: i % len(modes)]
-            results = {}
-            for mode in order:
-                tokens, seconds, stats = runner.run(mode, inputs)
-                first = first or {"mode": mode, "id": pid, "seconds": seconds}
-                results[mode] = {"tokens": len(tokens), "seconds": round(seconds, 4), "output": tokens,
-                                 "stats": stats}
+            results, orders = {}, []
+            for rep in range(args.repeat):  # each repeat rotates the order once more: pairs drift less
+                shift = (i + rep) % len(modes)
+                order = modes[shift:] + modes[:shift]
+                orders.append(order)
+                for mode in order:
+                    tokens, seconds, stats = runner.run(mode, inputs, rep)
+                    first = first or {"mode": mode, "id": pid, "seconds": seconds}
+                    r = results.setdefault(mode, {"tokens": 0, "seconds": 0.0, "output": tokens, "runs": [],
+                                                  "stats": stats, "same_each_run": True})
+                    r["tokens"] += len(tokens)
+                    r["seconds"] = round(r["seconds"] + seconds, 4)
+                    r["runs"].append(round(seconds, 4))
+                    r["same_each_run"] &= tokens == r["output"]
+                    if rep:
+                        r.setdefault("stats_repeats", []).append(stats)
             reference = results["plain"]["output"]
             fastest = min(baseline_modes, key=lambda m: results[m]["seconds"] / max(1, results[m]["tokens"]))
             base_rate = results[fastest]["tokens"] / results[fastest]["seconds"]
             for mode, r in results.items():
                 r["tok_s"] = round(r["tokens"] / r["seconds"], 3)
                 r["speedup"] = round(r["tokens"] / r["seconds"] / base_rate, 4)
-                r["identical_to_plain"] = r["output"] == reference
+                r["identical_to_plain"] = r["output"] == reference and r.pop("same_each_run")
             records.append({"id": pid, "style": style, "prompt_tokens": int(inputs["input_ids"].shape[1]),
-                            "order": order, "fastest_plain": {"mode": fastest, **{k: results[fastest][k] for k in
-                                                                                   ("tokens", "seconds")}},
+                            "order": orders[0] if args.repeat == 1 else orders,
+                            "fastest_plain": {"mode": fastest, **{k: results[fastest][k] for k in
+                                                                  ("tokens", "seconds")}},
                             "modes": {m: results[m] for m in modes}})
             print(f"{pid}: " + ", ".join(f"{m} {results[m]['speedup']:.2f}x" for m in modes), file=sys.stderr,
                   flush=True)
@@ -402,7 +425,7 @@ def main(argv=None) -> int:
     summary = summarize(records, modes, baseline_modes)
     report = {"preset": "first_call", "issue": 27, "argv": sys.argv[1:] if argv is None else list(argv),
               "old": args.old, "tiny": args.tiny, "prompts": len(records), "prompt_file": args.prompts,
-              "new_tokens": args.new_tokens, "short_tokens": args.short_tokens, "modes": modes,
+              "new_tokens": args.new_tokens, "repeat": args.repeat, "short_tokens": args.short_tokens, "modes": modes,
               "baseline": "per prompt, the faster of " + " / ".join(baseline_modes),
               "machine": machine, "load": load, "summary": summary,
               "bars": bars(summary, machine["bf16_units"]), "short_calls": short_calls, "first_call": first,

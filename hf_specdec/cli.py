@@ -34,7 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"[hf_specdec] {role} note: {info.choice.split}", file=sys.stderr)
     text = IncrementalText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
-    def show(ids: list[int], accepted: int, t: float) -> None:
+    def show(ids: list[int], accepted: int, t: float, paths: int | None) -> None:
         sys.stdout.write(text.append(ids))
         sys.stdout.flush()
 

@@ -34,6 +34,7 @@ from .drafters.lookahead import LookaheadDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, Seeding, SpeculativeMemory
+from .models.packed import reordered_only_values
 from .models.seeding import call_start_lookahead, call_start_speculative
 from .policy import make_policy
 from .stats import SpecStats, stats_holder
@@ -196,10 +197,10 @@ def compute_share(draft_model, model) -> float:
     """The draft's share of the target's compute per token: its parameters over the target's, embeddings
     excluded (a lookup, not a product). The prior of the draft's prompt read as a share of the target's
     (``costmodel.ReadCost``) until a read was timed."""
-    def count(m) -> int:
+    def count(m) -> int:  # a packed model's reordered weights count as the parameters they were
         if hasattr(m, "num_parameters"):
-            return int(m.num_parameters(exclude_embeddings=True))
-        return sum(p.numel() for p in m.parameters())
+            return int(m.num_parameters(exclude_embeddings=True)) + reordered_only_values(m)
+        return sum(p.numel() for p in m.parameters()) + reordered_only_values(m)
 
     return count(draft_model) / max(1, count(model))
 

@@ -260,7 +260,10 @@ def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, 
         tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
     ids = row.padded()
     new_tokens, stop = cut_at_stop(ids, torch.tensor(tokens, dtype=torch.long), inputs.stopping_criteria)
-    emitter.round(new_tokens, outcome.num_accepted if outcome is not None else 0)
+    if outcome is None:
+        emitter.round(new_tokens, 0)
+    else:
+        emitter.round(new_tokens, outcome.num_accepted, len(outcome.proposal.tokens), outcome.proposal.paths)
     if scores is not None:  # (processed scores, raw logits) of the tokens offered, each None unless asked
         scores_out.extend(tuple(None if part is None else part[i: i + 1] for part in scores)
                           for i in range(new_tokens.shape[0]))

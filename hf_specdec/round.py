@@ -305,6 +305,11 @@ class Proposal:
         """Does some node (or the last committed token) have more than one child?"""
         return len(set(self.parents)) < len(self.parents)
 
+    @property
+    def paths(self) -> int:
+        """Leaves of the trie: 0 for no guesses, 1 for a chain, more for a tree (e.g. parents (-1, 0, 0): 2)."""
+        return len(self.tokens) - len(set(self.parents) - {-1})
+
     def path(self, node: int) -> list[int]:
         """Node ids from the root's child down to ``node``."""
         nodes = []

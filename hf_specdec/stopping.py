@@ -29,19 +29,25 @@ def cut_at_stop(
 
 
 class Emitter:
-    """Streams each round's emitted tokens; the demo's highlight uses the optional ``on_round`` hook."""
+    """Streams each round's emitted tokens; the demo's highlight uses the optional ``on_round`` hook, its plot of
+    tree rounds the optional ``on_round_paths`` hook (docs/CONTRACT.md)."""
 
     def __init__(self, streamer) -> None:
         self.streamer = streamer
         self.on_round = getattr(streamer, "on_round", None)
+        self.on_round_paths = getattr(streamer, "on_round_paths", None)
 
     def prompt(self, prompt_ids: torch.LongTensor) -> None:
         if self.streamer is not None:
             self.streamer.put(prompt_ids.cpu())
 
-    def round(self, tokens: torch.LongTensor, num_accepted_draft: int) -> None:
+    def round(self, tokens: torch.LongTensor, num_accepted_draft: int, guesses: int = 0, paths: int = 0) -> None:
+        """``guesses``: trie nodes the target verified this round; ``paths``: its leaves (0 a plain step, 1 a
+        chain, more a tree)."""
         if self.streamer is None or tokens.numel() == 0:
             return
+        if self.on_round_paths is not None:
+            self.on_round_paths(guesses, paths)
         if self.on_round is not None:
             self.on_round(min(num_accepted_draft, tokens.numel()), tokens.numel())
         self.streamer.put(tokens[None].cpu())

@@ -150,17 +150,19 @@ def test_highlight_spans_follow_on_round(tiny_cache):
     run = panes.PaneRun("hf_specdec", "x", drafts=True)
     run.start(0.0, decode)
     chunks = []
-    streamer = RoundStreamer(on_chunk=lambda ids, accepted, t: chunks.append((ids, accepted)))
+    streamer = RoundStreamer(on_chunk=lambda ids, accepted, t, paths: chunks.append((ids, accepted)))
     streamer.put(torch.tensor([[1, 2, 3]]))  # the prompt: ignored
+    streamer.on_round_paths(5, 2)
     streamer.on_round(2, 3)
     streamer.put(torch.tensor([[10, 11, 12]]))
     streamer.put(torch.tensor([[13, 14]]))  # no on_round: inferred as len - 1 (transformers' assisted loop)
     streamer.put(torch.tensor([[15]]))
     assert chunks == [([10, 11, 12], 2), ([13, 14], 1), ([15], 0)]
     assert streamer.rounds == [(2, 3), (1, 2), (0, 1)] and streamer.round_log == [(2, 3)]
+    assert streamer.paths == [2, None, None]  # only what on_round_paths reported
     assert streamer.streamed_tokens == 6 and streamer.t_first is not None
     for i, (ids, accepted) in enumerate(chunks):
-        run.add_round(ids, accepted, float(i))
+        run.add_round(ids, accepted, float(i), streamer.paths[i])
     kinds = [(kind, index) for _, kind, index in run.segments]
     assert kinds == [("draft", 0), ("target", 0), ("draft", 1), ("target", 1), ("target", 2)]
     assert "".join(text for text, _, _ in run.segments) == decode(list(range(10, 16)))
@@ -168,6 +170,7 @@ def test_highlight_spans_follow_on_round(tiny_cache):
     html = panes.render_pane(run)
     assert html.count('class="hfsd-draft"') == 2 and 'data-round="1"' in html
     assert f'background:{panes.DRAFT_COLORS[0]}' in html and f'background:{panes.DRAFT_COLORS[1]}' in html
+    assert 'title="round 0: accepted draft tokens (a tree of 2 paths)"' in html and panes.tree_rounds(run) == [0]
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "fixed"])

@@ -17,6 +17,7 @@ from hf_specdec.models import measure as M
 from hf_specdec.models import profile as P
 from hf_specdec.models import store as S
 from hf_specdec.models.cli import main as cli_main
+from hf_specdec.models.packed import packed_available
 from hf_specdec.models.tiny import tiny_model, tiny_model_dir
 
 
@@ -80,7 +81,7 @@ def test_values_are_frozen_and_validated():
             P.FormatCost("bf16", **bad)
     with pytest.raises(ValueError, match="twice"):
         P.HardwareProfile(P.DeviceIdentity("given", "given"), "x", (cost, cost))
-    with pytest.raises(ValueError, match="dtypes only"):
+    with pytest.raises(ValueError, match="target formats only"):
         P.HardwareProfile(P.DeviceIdentity("given", "given"), "x", (P.FormatCost("4bit", {1: 0.1}),))
     for bad in (dict(prompt_tokens=-1), dict(new_tokens=0), dict(acceptance=1.5), dict(max_draft_tokens=-1)):
         with pytest.raises(ValueError):
@@ -109,7 +110,7 @@ def test_profile_round_trips_and_feeds_the_cost_model():
 
 
 def _fake_measurer(calls, slow=()):
-    """Formats cost bf16 0.2 s, fp32 0.3 s, others 0.1 s a step (``slow`` ones 1.0 s); 8-bit is unavailable. Like
+    """Formats cost bf16 0.2 s, fp32-packed 0.25 s, fp32 0.3 s, others 0.1 s a step (``slow`` ones 1.0 s); 8-bit is unavailable. Like
     ``measure_format`` it stops at a probe of t(1) when that is over ``slower_than``."""
     def measure(config, role, fmt, device, weights=None, slower_than=None):
         calls.append((role, fmt))
@@ -117,7 +118,7 @@ def _fake_measurer(calls, slow=()):
             return P.FormatCost(fmt, {1: 1.0}, footprint_bytes=1000, method="probe")
         if fmt == "8bit":
             raise F.FormatUnavailable("bitsandbytes 8-bit kernels need wider layers")
-        base = 1.0 if fmt in slow else {"bf16": 0.2, "fp32": 0.3}.get(fmt, 0.1)
+        base = 1.0 if fmt in slow else {"bf16": 0.2, "fp32-packed": 0.25, "fp32": 0.3}.get(fmt, 0.1)
         sizes = F.role_sizes(role)
         return P.FormatCost(fmt, {n: base * (1 + 0.01 * n) for n in sizes},
                             P.PREFILL_TOKENS if role == "target" else 0,
@@ -132,7 +133,7 @@ def test_get_profile_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     first = S.get_profile(config, config, cache_dir=tmp_path, measurer=measure)
     assert calls == [("target", f) for f in F.candidate_formats("target")] + \
         [("draft", f) for f in F.candidate_formats("draft")]
-    assert first.target_formats == ("bf16", "fp32") and "8bit" not in first.draft_formats
+    assert first.target_formats == F.candidate_formats("target") and "8bit" not in first.draft_formats
     assert any("8bit" in note and "wider layers" in note for note in first.notes)  # left out, with the reason
     assert first.target_model == first.draft_model == P.model_fingerprint(config)
     calls.clear()
@@ -141,11 +142,11 @@ def test_get_profile_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert again.target == first.target and again.draft == first.draft
     calls.clear()
     S.get_profile(config, cache_dir=tmp_path, measurer=measure, refresh=True)
-    assert calls == [("target", "bf16"), ("target", "fp32")]
+    assert calls == [("target", f) for f in F.candidate_formats("target")]
     calls.clear()
     monkeypatch.setattr(torch, "__version__", "99.0.0")  # another torch: another key, measured again
     S.get_profile(config, cache_dir=tmp_path, measurer=measure)
-    assert calls == [("target", "bf16"), ("target", "fp32")]
+    assert calls == [("target", f) for f in F.candidate_formats("target")]
     calls.clear()
     other = type(config).from_dict({**config.to_dict(), "hidden_size": 128})
     assert S.get_profile(other, cache_dir=tmp_path, measurer=measure, cached_only=True).target == ()
@@ -377,6 +378,9 @@ def test_model_format_names_what_was_loaded():
     assert F.format_load_args("4bit") == (torch.bfloat16, "4bit")
     assert F.format_load_args("dynamic-int8") == (torch.float32, "dynamic-int8")
     assert F.format_load_args("bfloat16") == (torch.bfloat16, None)
+    assert F.format_load_args("fp32-packed") == (torch.float32, "fp32-packed")
+    if packed_available():
+        assert F.model_format(F.quantize_loaded(tiny_model("llama"), "fp32-packed")) == "fp32-packed"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,7 +395,8 @@ def test_tune_measures_caches_and_prints(tiny_dir, tmp_path, monkeypatch, capsys
     out = json.loads(capsys.readouterr().out)
     assert out["schema"] == "hf_specdec.tune/1" and out["choices"]["workload"]["prompt_tokens"] == 32
     profile = P.HardwareProfile.from_dict(out["profile"])
-    assert profile.target_formats == ("bf16", "fp32") and out["choices"]["target_dtype"]["value"] == "bf16"
+    assert profile.target_formats == F.candidate_formats("target")
+    assert out["choices"]["target_dtype"]["value"] == "bf16"
     assert out["choices"]["draft_format"]["value"] in profile.draft_formats
     assert len(list((tmp_path / "profiles").glob("*.json"))) == len(calls) - 1  # all but the unavailable 8bit
     measured = len(calls)
@@ -399,7 +404,7 @@ def test_tune_measures_caches_and_prints(tiny_dir, tmp_path, monkeypatch, capsys
     text = capsys.readouterr().out
     assert len(calls) == measured + 1 and "hardware profile" in text and "target dtype: bf16" in text
     assert cli_main([*argv, "--draft", "none"]) == 0  # tune re-measures the target alone
-    assert calls[measured + 1:] == [("target", "bf16"), ("target", "fp32")]
+    assert calls[measured + 1:] == [("target", f) for f in F.candidate_formats("target")]
     capsys.readouterr()
     assert cli_main(["tune", "--target", str(tmp_path / "nothing"), "--cache-dir", str(tmp_path)]) == 2
 

@@ -110,6 +110,28 @@ def test_a_perturbed_draft_partial_acceptance_of_first_and_second_choices(target
     assert "tree rounds" in stats.summary()
 
 
+def test_streamed_rounds_say_which_were_trees_and_the_demo_plot_marks_them(target, close_draft, prompt,
+                                                                           monkeypatch):
+    from hf_specdec.demo import panes
+    from hf_specdec.harness.streaming import RoundStreamer
+
+    charged(monkeypatch, target, close_draft)
+    chunks = []
+    streamer = RoundStreamer(on_chunk=lambda *chunk: chunks.append(chunk))
+    out = trees(target, close_draft, prompt, streamer=streamer)
+    assert torch.equal(out, plain(target, prompt))
+    stats = target.last_spec_stats.get()
+    assert sum(1 for paths in streamer.paths if paths > 1) == stats.tree_rounds > 0
+    assert streamer.paths[0] == 0  # the prefill's token: nothing verified
+    run = panes.PaneRun("hf_specdec", "hf_specdec", drafts=True)
+    run.start(0.0, lambda ids: " ".join(map(str, ids)))
+    for chunk in chunks:
+        run.add_round(*chunk)
+    assert panes.tree_rounds(run) == [i for i, paths in enumerate(streamer.paths) if paths > 1]
+    labels = panes.rounds_figure([run]).axes[0].get_legend_handles_labels()[1]
+    assert f"hf_specdec: tree rounds ({stats.tree_rounds} of {len(chunks)})" in labels
+
+
 def test_batch_rows_each_grow_their_own_tree(target, close_draft, monkeypatch):
     charged(monkeypatch, target, close_draft)
     prompts = torch.tensor([[0, 0, 5, 17, 42, 8, 23], [3, 9, 11, 61, 2, 9, 7]])

@@ -103,7 +103,7 @@ def run_mode(key: str, loaded: Loaded, input_ids: torch.LongTensor,  # [1, L] th
         yield run
         return
     events: queue.Queue = queue.Queue()
-    streamer = RoundStreamer(on_chunk=lambda ids, accepted, t: events.put((ids, accepted, t)), sync=harness.sync)
+    streamer = RoundStreamer(on_chunk=lambda *chunk: events.put(chunk), sync=harness.sync)
     outcome: dict = {}
 
     def work() -> None:

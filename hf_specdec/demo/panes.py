@@ -31,6 +31,7 @@ class PaneRun:
     message: str = ""
     ids: list[int] = field(default_factory=list)  # streamed so far
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (accepted draft tokens, emitted) per round
+    paths: list[int | None] = field(default_factory=list)  # per round: paths verified (>1: a tree), None: unknown
     segments: list[tuple[str, str, int]] = field(default_factory=list)  # (text, "draft" | "target", round)
     row: dict[str, Any] | None = None
     t_start: float | None = None
@@ -42,12 +43,14 @@ class PaneRun:
     def start(self, t: float, decode: Callable[[list[int]], str]) -> None:
         self.status, self.t_start, self.text = "running", t, IncrementalText(decode)
 
-    def add_round(self, ids: list[int], accepted: int, t: float) -> None:
-        """One round's tokens; the first ``accepted`` came from accepted draft tokens (highlighted)."""
+    def add_round(self, ids: list[int], accepted: int, t: float, paths: int | None = None) -> None:
+        """One round's tokens; the first ``accepted`` came from accepted draft tokens (highlighted); ``paths``:
+        how many paths the round verified (more than one: a tree round, marked in the plot)."""
         if self.t_first is None:
             self.t_first = t
         index = len(self.rounds)
         self.rounds.append((accepted, len(ids)))
+        self.paths.append(paths)
         self.ids.extend(ids)
         for kind, part in (("draft", ids[:accepted]), ("target", ids[accepted:])):
             piece = self.text.append(part) if part else ""
@@ -133,7 +136,10 @@ def render_pane(run: PaneRun | None, key: str = "") -> str:
     spans = []
     for text, kind, index in run.segments:
         if kind == "draft":
-            spans.append(f'<span class="hfsd-draft" data-round="{index}" title="round {index}: accepted draft tokens" '
+            paths = run.paths[index] if index < len(run.paths) else None
+            tree = f" (a tree of {paths} paths)" if paths and paths > 1 else ""
+            spans.append(f'<span class="hfsd-draft" data-round="{index}" title="round {index}: accepted draft tokens'
+                         f'{tree}" '
                          f'style="background:{DRAFT_COLORS[index % 2]};color:#111;border-radius:2px">'
                          f'{html.escape(text)}</span>')
         else:
@@ -154,8 +160,14 @@ def render_pane(run: PaneRun | None, key: str = "") -> str:
     )
 
 
+def tree_rounds(run: PaneRun) -> list[int]:
+    """Indices of the rounds that verified a tree (more than one path)."""
+    return [i for i, paths in enumerate(run.paths) if paths is not None and paths > 1]
+
+
 def rounds_figure(runs: list[PaneRun]):
-    """Accepted draft tokens per round, one line per drafting mode (matplotlib's object API, no pyplot: safe in
+    """Accepted draft tokens per round, one line per drafting mode; rounds that verified a tree (several of the
+    draft's continuations in one forward) get a hollow triangle (matplotlib's object API, no pyplot: safe in
     Gradio's worker threads)."""
     from matplotlib.figure import Figure
 
@@ -167,6 +179,11 @@ def rounds_figure(runs: list[PaneRun]):
         accepted = [a for a, _ in run.rounds]
         ax.plot(range(len(accepted)), accepted, marker="o", markersize=3, linewidth=1.2,
                 color=PLOT_COLORS.get(run.key), label=f"{run.title} (mean {sum(accepted) / len(accepted):.2f})")
+        trees = tree_rounds(run)
+        if trees:
+            ax.scatter(trees, [accepted[i] for i in trees], marker="^", s=60, facecolors="none",
+                       edgecolors=PLOT_COLORS.get(run.key), linewidths=1.2,
+                       label=f"{run.title}: tree rounds ({len(trees)} of {len(accepted)})")
     ax.set_xlabel("round (one target forward)")
     ax.set_ylabel("accepted")
     ax.set_title("Accepted draft tokens per round", fontsize=10)

@@ -54,8 +54,9 @@ class SubVocabHead:
     def usable(model) -> bool:
         head = model.get_output_embeddings()
         return (
-            isinstance(head, torch.nn.Linear)
+            isinstance(getattr(head, "weight", None), torch.nn.Parameter)  # a Linear, or a packed one keeping it
             and type(head.weight) is torch.nn.Parameter  # not a quantized weight
+            and head.weight.dim() == 2
             and head.weight.is_floating_point()
             and getattr(model, model.base_model_prefix, None) is not None
         )

@@ -5,6 +5,8 @@ one is one round's new tokens. hf_specdec calls ``on_round(num_accepted_draft_to
 before each round's ``put`` (docs/CONTRACT.md); transformers' own loops do not, and for them the count is
 inferred as ``len(chunk) - 1``, which is exact: plain decoding puts one token per step (0 accepted) and
 assisted decoding and prompt lookup put ``n_matches + 1`` (the accepted candidates, then the target's token).
+hf_specdec also calls ``on_round_paths(num_guesses, num_paths)`` before ``on_round``: how many guesses the
+target verified and on how many paths (1 a chain, more a tree); None for a round no one reported.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-# called once per round with (new token ids, how many of them came from accepted draft tokens, perf_counter time)
-ChunkCallback = Callable[[list[int], int, float], None]
+# called once per round with (new token ids, how many of them came from accepted draft tokens, perf_counter time,
+# paths verified: 0 a plain step, 1 a chain, more a tree, None where the loop did not say)
+ChunkCallback = Callable[[list[int], int, float, "int | None"], None]
 
 
 class GenerationCancelled(RuntimeError):
@@ -36,11 +39,13 @@ class RoundStreamer:
         self._sync = sync
         self._prompt_seen = False
         self._pending_accepted: int | None = None
+        self._pending_paths: int | None = None
         self._cancelled = threading.Event()
         self.t_first: float | None = None  # perf_counter time of the first new token
         self.streamed_tokens = 0
         self.rounds: list[tuple[int, int]] = []  # (accepted draft tokens, emitted) per round, reported or inferred
         self.round_log: list[tuple[int, int]] = []  # only what on_round reported (hf_specdec's loops)
+        self.paths: list[int | None] = []  # per round: paths verified (on_round_paths), None where not reported
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -48,6 +53,9 @@ class RoundStreamer:
     def on_round(self, num_accepted_draft_tokens: int, num_emitted: int) -> None:
         self._pending_accepted = int(num_accepted_draft_tokens)
         self.round_log.append((int(num_accepted_draft_tokens), int(num_emitted)))
+
+    def on_round_paths(self, num_guesses: int, num_paths: int) -> None:
+        self._pending_paths = int(num_paths)
 
     def put(self, value: torch.Tensor) -> None:  # value: [1, n] or [n] token ids
         if self._cancelled.is_set():
@@ -62,11 +70,12 @@ class RoundStreamer:
         ids = [int(t) for t in value.reshape(-1).tolist()]
         accepted = self._pending_accepted if self._pending_accepted is not None else len(ids) - 1
         accepted = max(0, min(accepted, len(ids)))
-        self._pending_accepted = None
+        paths, self._pending_accepted, self._pending_paths = self._pending_paths, None, None
         self.streamed_tokens += len(ids)
         self.rounds.append((accepted, len(ids)))
+        self.paths.append(paths)
         if self._on_chunk is not None:
-            self._on_chunk(ids, accepted, time.perf_counter())
+            self._on_chunk(ids, accepted, time.perf_counter(), paths)
 
     def end(self) -> None:
         pass

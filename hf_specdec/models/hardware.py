@@ -26,9 +26,10 @@ _DTYPES = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
 }
-QUANTIZE = (None, "4bit", "8bit", "dynamic-int8", "int4")
+QUANTIZE = (None, "4bit", "8bit", "dynamic-int8", "int4", "fp32-packed")
 # applied by hf_specdec to a model loaded in float (no bitsandbytes config, so a GGUF file can take them too)
-POST_LOAD_QUANTIZE = ("dynamic-int8", "int4")
+POST_LOAD_QUANTIZE = ("dynamic-int8", "int4", "fp32-packed")  # applied to a model loaded in float; "fp32-packed"
+# quantizes nothing (the weights reordered for oneDNN, ``packed.py``): the load-time step is its only kinship
 
 
 class ModelLoadOOMError(RuntimeError):
@@ -141,12 +142,12 @@ def quantized_compute_dtype(device: str) -> torch.dtype:
 def quantization_config(quantize: str | None, compute_dtype: torch.dtype = torch.bfloat16):
     """A ``BitsAndBytesConfig`` for ``quantize="4bit"`` (NF4) or ``"8bit"``; None for ``quantize=None`` and for
     the ``POST_LOAD_QUANTIZE`` kinds (applied after loading: :func:`quantize_dynamic_int8`,
-    ``int4.quantize_int4``)."""
+    ``int4.quantize_int4``, ``packed.pack_linears``)."""
     if quantize in (None, "none", *POST_LOAD_QUANTIZE):
         return None
     if quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r} is invalid: use 'auto', '4bit', '8bit', 'dynamic-int8', 'int4' or "
-                         "None.")
+        raise ValueError(f"quantize={quantize!r} is invalid: use 'auto', '4bit', '8bit', 'dynamic-int8', 'int4', "
+                         "'fp32-packed' or None.")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -218,7 +219,7 @@ def available_memory_bytes(device: str) -> int | None:
 def footprint_bytes(model: torch.nn.Module) -> int:
     """Bytes held by a model's parameters and buffers (shared tensors counted once; bitsandbytes 4-bit
     weights count their packed bytes plus their quantization statistics; torch dynamic int8 layers their int8
-    weights and bias)."""
+    weights and bias; oneDNN-reordered weights, opaque tensors without a storage, their values)."""
     seen: set[tuple[int, int]] = set()
     total = 0
 
@@ -226,7 +227,8 @@ def footprint_bytes(model: torch.nn.Module) -> int:
         nonlocal total
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        key = (t.untyped_storage().data_ptr(), t.numel())
+        opaque = t.layout == torch._mkldnn  # packed.PackedLinear's reordered weight: no storage to read
+        key = (id(t), t.numel()) if opaque else (t.untyped_storage().data_ptr(), t.numel())
         if key in seen:
             return
         seen.add(key)

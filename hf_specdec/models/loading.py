@@ -28,6 +28,8 @@ from .profile import HardwareProfile
 from .refs import ResolvedRef, load_config, load_tokenizer, resolve_reference
 from .store import get_profile
 
+FP32_KINDS = ("dynamic-int8", "fp32-packed")  # post-load kinds applied to a model loaded in fp32
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,7 +76,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
     if quantize != "auto" and not (dtype == "auto" and quantize in (None, "none")):
         if quantize in (None, "none"):
             return resolve_dtype(dtype, device), None, None
-        compute = (torch.float32 if quantize == "dynamic-int8" else quantized_compute_dtype(device)) \
+        compute = (torch.float32 if quantize in FP32_KINDS else quantized_compute_dtype(device)) \
             if dtype == "auto" else resolve_dtype(dtype, device)
         return compute, quantize, None
     role = "draft" if quantize == "auto" else "target"
@@ -85,7 +87,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
     profile.check_model(role, config)
     if role == "target":
         choice = choose_dtype(profile, workload or Workload())
-        return format_load_args(choice.value, device)[0], None, choice
+        return (*format_load_args(choice.value, device), choice)  # a dtype, or fp32 and its layout
     candidates = list(profile.draft_formats)
     if dtype != "auto":  # a dtype was given: that dtype unquantized, or one of the quantized formats
         given = resolve_dtype(dtype, device)
@@ -100,7 +102,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
     choice = choose_draft_format(profile, memory_bytes=memory_bytes if memory_bytes is not None else
                                  available_memory_bytes(device), target_dtype=target_dtype, candidates=candidates)
     torch_dtype, quantize = format_load_args(choice.value, device)
-    return (resolve_dtype(dtype, device) if dtype != "auto" and quantize not in (None, "dynamic-int8")
+    return (resolve_dtype(dtype, device) if dtype != "auto" and quantize not in (None, *FP32_KINDS)
             else torch_dtype), quantize, choice
 
 

@@ -43,10 +43,11 @@ import torch
 
 from ..costmodel import forward_times
 from . import refs
-from .formats import FORMAT_DTYPES, FormatUnavailable, as_format, model_format, quantize_loaded, role_sizes
+from .formats import FormatUnavailable, as_format, format_load_args, model_format, quantize_loaded, role_sizes
 from .hardware import (POST_LOAD_QUANTIZE, decoder_layers, dynamic_int8_available, footprint_bytes,
                        quantization_config, quantized_compute_dtype, resolve_device)
 from .int4 import int4_available
+from .packed import packed_available
 from .profile import CONTEXT_TOKENS, PREFILL_TOKENS, FormatCost, text_config
 
 REPEATS = 3
@@ -125,11 +126,13 @@ def build_proxy(config, fmt: str, device: str = "cpu", layers: int = 2, workdir:
     from transformers import AutoModelForCausalLM
 
     fmt = as_format(fmt)
-    dense = FORMAT_DTYPES.get(fmt, torch.float32 if fmt == "dynamic-int8" else quantized_compute_dtype(device))
+    dense = format_load_args(fmt, device)[0]  # the dtype it is built in (a post-load kind's input)
     if fmt == "dynamic-int8" and (str(device) != "cpu" or not dynamic_int8_available()):
         raise FormatUnavailable("torch dynamic int8 runs on CPU with a quantized engine only")
     if fmt == "int4" and (str(device) != "cpu" or not int4_available()):
         raise FormatUnavailable(f"int4 runs on CPU with torch's int4 CPU kernel only (torch {torch.__version__})")
+    if fmt == "fp32-packed" and (str(device) != "cpu" or not packed_available()):
+        raise FormatUnavailable(f"fp32-packed runs on CPU with torch's oneDNN only (torch {torch.__version__})")
     proxy_config = _proxy_config(config, layers)
     try:
         from transformers.initialization import no_init_weights

@@ -34,7 +34,7 @@ import torch
 
 from ..costmodel import ForwardCost
 from .bundles import resolve_cache_dir
-from .formats import FORMAT_DTYPES, ROLES, as_format, role_sizes
+from .formats import ROLES, TARGET_FORMATS, as_format, role_sizes
 from .hardware import cpu_flags, cpu_model, resolve_device
 
 SCHEMA = "hf_specdec.profile/1"
@@ -288,8 +288,9 @@ class HardwareProfile:
             formats = [e.format for e in entries]
             if len(set(formats)) != len(formats):
                 raise ValueError(f"HardwareProfile.{role} holds a format twice: {formats}")
-            if role == "target" and any(f not in FORMAT_DTYPES for f in formats):
-                raise ValueError(f"HardwareProfile.target holds dtypes only ({', '.join(FORMAT_DTYPES)}): {formats}")
+            if role == "target" and any(f not in TARGET_FORMATS for f in formats):
+                raise ValueError(f"HardwareProfile.target holds target formats only ({', '.join(TARGET_FORMATS)}): "
+                                 f"{formats}")
             object.__setattr__(self, role, entries)
         object.__setattr__(self, "notes", tuple(self.notes))
 

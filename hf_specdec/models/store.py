@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import measure
-from .formats import FORMAT_DTYPES, FormatUnavailable, as_format, candidate_formats, model_format
+from .formats import TARGET_FORMATS, FormatUnavailable, as_format, candidate_formats, model_format
 from .hardware import resolve_device
 from .profile import DeviceIdentity, FormatCost, HardwareProfile, ProfileKey, model_fingerprint
 from .refs import config_of
@@ -140,7 +140,7 @@ def cached_profile(target, draft=None, *, cache_dir=None) -> HardwareProfile:
     target_format = model_format(target)
     draft_formats = [model_format(draft)] if draft is not None else None
     return get_profile(target, draft, device=device, cache_dir=cache_dir, cached_only=True,
-                       target_formats=[target_format] if target_format in FORMAT_DTYPES else [],
+                       target_formats=[target_format] if target_format in TARGET_FORMATS else [],
                        draft_formats=draft_formats)
 
 
