@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="decode a task with several modes, time them, check quality, write a report")
     r.add_argument("--target", required=True, help="model reference: bundle:NAME, hub id, local dir or .gguf")
     r.add_argument("--draft", default=None, help="draft model reference (needed by hf_assisted*, specdec_*)")
-    r.add_argument("--draft-quant", default="auto", choices=["auto", "4bit", "8bit", "dynamic-int8", "int4", "none"],
+    from hf_specdec.models.cli import DRAFT_QUANTIZE_CHOICES
+
+    r.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTIZE_CHOICES,
                    help="draft format: auto (the hardware profile's fastest that fits), a quantization, or none "
                         "(the target's dtype)")
     r.add_argument("--dtype", default="auto", help="target dtype: auto (the hardware profile's choice) | bf16 | "

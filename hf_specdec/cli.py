@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--target", default=None, help="model reference (bundle name, hub id, dir, .gguf)")
     gen.add_argument("--draft", default=None, help="draft reference (modes that use a draft)")
-    gen.add_argument("--draft-quant", default="auto", choices=["auto", "4bit", "8bit", "dynamic-int8", "int4", "none"],
+    gen.add_argument("--draft-quant", default="auto", choices=models_cli.DRAFT_QUANTIZE_CHOICES,
                      help="draft format: auto (the hardware profile's fastest that fits), 4bit, 8bit, dynamic-int8, "
-                          "int4 or none (the target's dtype)")
+                          "int4, fp32-packed or none (the target's dtype)")
     gen.add_argument("--mode", default="speculative", choices=[*GENERATE_MODES, *(m for m in MODES if m not in
                                                                                  GENERATE_MODES)],
                      help="speculative (hf_specdec with --policy), lookahead, plain, or any eval harness mode")

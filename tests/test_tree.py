@@ -118,7 +118,7 @@ def test_streamed_rounds_say_which_were_trees_and_the_demo_plot_marks_them(targe
     charged(monkeypatch, target, close_draft)
     chunks = []
     streamer = RoundStreamer(on_chunk=lambda *chunk: chunks.append(chunk))
-    out = trees(target, close_draft, prompt, streamer=streamer)
+    out = trees(target, close_draft, prompt, spec_streamer=streamer)  # custom_generate: generate keeps streamer=
     assert torch.equal(out, plain(target, prompt))
     stats = target.last_spec_stats.get()
     assert sum(1 for paths in streamer.paths if paths > 1) == stats.tree_rounds > 0

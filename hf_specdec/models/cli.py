@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .bundles import BUNDLES, BundleError, bundle_status, ensure_bundle, resolve_cache_dir
-from .hardware import ModelLoadOOMError
+from .hardware import QUANTIZE, ModelLoadOOMError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -114,7 +114,7 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-DRAFT_QUANTIZE_CHOICES = ("auto", "none", "4bit", "8bit", "dynamic-int8", "int4")
+DRAFT_QUANTIZE_CHOICES = ("auto", "none", *(q for q in QUANTIZE if q is not None))  # hardware.QUANTIZE
 
 
 def _workload(args):

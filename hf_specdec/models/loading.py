@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoadInfo:
     """How a model was loaded: the reference asked for, its kind ("bundle", "gguf", "pretrained"), the path
-    ``from_pretrained`` read, the resolved dtype name, the quantization (None, "4bit", "8bit", "dynamic-int8", "int4"),
-    the device and the seconds the weights took to load; ``choice``: what ``dtype="auto"`` / ``quantize="auto"``
+    ``from_pretrained`` read, the resolved dtype name, the post-load or bitsandbytes kind (None, "4bit", "8bit",
+    "dynamic-int8", "int4", "fp32-packed": ``hardware.QUANTIZE``), the device and the seconds the weights took to load; ``choice``: what ``dtype="auto"`` / ``quantize="auto"``
     chose from the hardware profile and why (None when both were given)."""
 
     ref: str
