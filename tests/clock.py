@@ -50,3 +50,26 @@ class VirtualClock:
             return forward(*args, **kwargs)
 
         monkeypatch.setattr(model, "forward", timed_forward)
+
+
+def greedy_parity_drafting(monkeypatch, target, draft, prompt, config, new_tokens: int):
+    """Greedy ``speculative_generate`` of ``target`` with ``draft`` under flat target forwards of 1 s and draft steps
+    of 0.05 s (so the adaptive policy drafts on any machine): asserts it equals plain greedy ``generate`` of the
+    target and that the draft's own layers drafted tokens the target kept; returns the call's stats."""
+    import torch
+
+    import hf_specdec
+
+    calls = []
+    draft.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
+    clock = VirtualClock(monkeypatch)
+    clock.charge(monkeypatch, target, lambda n: 1.0, name="target")
+    clock.charge(monkeypatch, draft, lambda n: 0.05, name="draft")
+    expected = type(target).generate(target, prompt, max_new_tokens=new_tokens, do_sample=False)
+    out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
+                          spec_config=config, max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(out, expected)
+    stats = target.last_spec_stats.get()
+    assert stats.drafted > 0 and 0 < stats.accepted <= stats.drafted and calls  # the draft's layers drafted
+    assert any(name == "draft" for name, _ in clock.forwards)
+    return stats

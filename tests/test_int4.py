@@ -15,6 +15,7 @@ from hf_specdec.models import hardware, int4, loading
 from hf_specdec.models import measure as M
 from hf_specdec.models import profile as P
 from hf_specdec.models.tiny import tiny_model_dir
+from tests.clock import greedy_parity_drafting
 from tests.conftest import perturbed_copy, tiny_model
 
 pytestmark = pytest.mark.skipif(not int4.int4_available(), reason="this torch has no int4 CPU kernel")
@@ -175,29 +176,12 @@ def test_proxy_measurement_of_int4():
 # exactness: the draft's format never changes the output
 
 
-def plain(model, prompt):
-    return type(model).generate(model, prompt, max_new_tokens=NEW, do_sample=False)
-
-
 @pytest.mark.parametrize("draft_dtype,policy", [(torch.float32, "adaptive"), (torch.bfloat16, "fixed")])
 def test_greedy_parity_with_an_int4_draft(target, prompt, monkeypatch, draft_dtype, policy):
     """fp32 target, its close copy quantized to int4 as the draft; costs injected (tests/clock.py: flat target
     forwards of 1 s, a draft step of 0.05 s), so the adaptive policy drafts on any machine."""
-    from tests.clock import VirtualClock
-
     draft = perturbed_copy(target, scale=0.02).to(draft_dtype)
     int4.quantize_int4(draft)
     assert F.model_format(draft) == "int4"
-    calls = []
-    draft.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
-    clock = VirtualClock(monkeypatch)
-    clock.charge(monkeypatch, target, lambda n: 1.0, name="target")
-    clock.charge(monkeypatch, draft, lambda n: 0.05, name="draft")
-    expected = plain(target, prompt)
-    out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
-                          spec_config=hf_specdec.SpecConfig(policy=policy, num_draft_tokens=4, history_lookup=False),
-                          max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(out, expected)
-    stats = target.last_spec_stats.get()
-    assert stats.drafted > 0 and 0 < stats.accepted <= stats.drafted and calls  # the int4 layers drafted
-    assert any(name == "draft" for name, _ in clock.forwards)
+    greedy_parity_drafting(monkeypatch, target, draft, prompt, new_tokens=NEW, config=hf_specdec.SpecConfig(
+        policy=policy, num_draft_tokens=4, history_lookup=False))

@@ -16,7 +16,7 @@ from hf_specdec.models import hardware, loading, packed
 from hf_specdec.models import measure as M
 from hf_specdec.models import profile as P
 from hf_specdec.models.tiny import tiny_model_dir
-from tests.clock import VirtualClock
+from tests.clock import greedy_parity_drafting
 from tests.conftest import perturbed_copy, tiny_model
 
 pytestmark = pytest.mark.skipif(not packed.packed_available(), reason="this torch has no oneDNN")
@@ -105,15 +105,5 @@ def test_greedy_parity_with_packed_models(target, prompt, monkeypatch, which):
         packed.pack_linears(model)
     if which in ("draft", "both"):
         packed.pack_linears(draft)
-    calls = []
-    draft.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
-    clock = VirtualClock(monkeypatch)
-    clock.charge(monkeypatch, model, lambda n: 1.0, name="target")
-    clock.charge(monkeypatch, draft, lambda n: 0.05, name="draft")
-    expected = plain(model, prompt)
-    out = model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
-                         spec_config=hf_specdec.SpecConfig(num_draft_tokens=4, history_lookup=False),
-                         max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(out, expected)
-    stats = model.last_spec_stats.get()
-    assert stats.drafted > 0 and 0 < stats.accepted <= stats.drafted and calls  # the draft's layers drafted
+    greedy_parity_drafting(monkeypatch, model, draft, prompt, new_tokens=NEW,
+                           config=hf_specdec.SpecConfig(num_draft_tokens=4, history_lookup=False))
