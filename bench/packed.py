@@ -67,7 +67,8 @@ def model_table(ref: str, sizes, repeats: int) -> str:
         same = torch.equal(type(model).generate(model, **prompt, max_new_tokens=24, do_sample=False), dense_out)
     lines = [f"{ref}: t(n) ms over a 100-token context (median of {repeats}); packing took {pack_s:.1f} s; "
              f"24 greedy tokens identical to the dense model's: {same}", "",
-             "| format | " + " | ".join(str(n) for n in sizes) + " | t(8) / t(1) |", "|---|" + "---|" * (len(sizes) + 1)]
+             "| format | " + " | ".join(str(n) for n in sizes) + " | t(8) / t(1) |",
+             "|---|" + "---|" * (len(sizes) + 1)]
     for name, table in (("fp32 (F.linear)", dense), ("fp32-packed", packed)):
         ratio = f"{table[8] / table[1]:.2f}" if 8 in table else "–"
         lines.append(f"| {name} | " + " | ".join(f"{table[n] * 1e3:.0f}" for n in sizes) + f" | {ratio} |")

@@ -198,9 +198,9 @@ def compute_share(draft_model, model) -> float:
     excluded (a lookup, not a product). The prior of the draft's prompt read as a share of the target's
     (``costmodel.ReadCost``) until a read was timed."""
     def count(m) -> int:  # a packed model's reordered weights count as the parameters they were
-        if hasattr(m, "num_parameters"):
-            return int(m.num_parameters(exclude_embeddings=True)) + reordered_only_values(m)
-        return sum(p.numel() for p in m.parameters()) + reordered_only_values(m)
+        own = m.num_parameters(exclude_embeddings=True) if hasattr(m, "num_parameters") else \
+            sum(p.numel() for p in m.parameters())
+        return int(own) + reordered_only_values(m)
 
     return count(draft_model) / max(1, count(model))
 

@@ -263,7 +263,7 @@ def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, 
     if outcome is None:
         emitter.round(new_tokens, 0)
     else:
-        emitter.round(new_tokens, outcome.num_accepted, len(outcome.proposal.tokens), outcome.proposal.paths)
+        emitter.round(new_tokens, outcome.num_accepted, outcome.proposal)
     if scores is not None:  # (processed scores, raw logits) of the tokens offered, each None unless asked
         scores_out.extend(tuple(None if part is None else part[i: i + 1] for part in scores)
                           for i in range(new_tokens.shape[0]))

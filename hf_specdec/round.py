@@ -303,7 +303,7 @@ class Proposal:
     @property
     def branches(self) -> bool:
         """Does some node (or the last committed token) have more than one child?"""
-        return len(set(self.parents)) < len(self.parents)
+        return self.paths > 1
 
     @property
     def paths(self) -> int:

@@ -8,8 +8,13 @@ returned, and what is streamed, ends exactly where plain ``generate`` would have
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import StoppingCriteriaList
+
+if TYPE_CHECKING:
+    from .round import Proposal
 
 
 def cut_at_stop(
@@ -41,13 +46,13 @@ class Emitter:
         if self.streamer is not None:
             self.streamer.put(prompt_ids.cpu())
 
-    def round(self, tokens: torch.LongTensor, num_accepted_draft: int, guesses: int = 0, paths: int = 0) -> None:
-        """``guesses``: trie nodes the target verified this round; ``paths``: its leaves (0 a plain step, 1 a
-        chain, more a tree)."""
+    def round(self, tokens: torch.LongTensor, num_accepted_draft: int, proposal: Proposal | None = None) -> None:
+        """``proposal``: the round's trie (``round.Proposal``; None for the prefill's token): its nodes and leaves
+        go to ``on_round_paths``."""
         if self.streamer is None or tokens.numel() == 0:
             return
         if self.on_round_paths is not None:
-            self.on_round_paths(guesses, paths)
+            self.on_round_paths(*((len(proposal.tokens), proposal.paths) if proposal is not None else (0, 0)))
         if self.on_round is not None:
             self.on_round(min(num_accepted_draft, tokens.numel()), tokens.numel())
         self.streamer.put(tokens[None].cpu())

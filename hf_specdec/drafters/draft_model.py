@@ -54,9 +54,8 @@ class SubVocabHead:
     def usable(model) -> bool:
         head = model.get_output_embeddings()
         return (
-            isinstance(getattr(head, "weight", None), torch.nn.Parameter)  # a Linear, or a packed one keeping it
-            and type(head.weight) is torch.nn.Parameter  # not a quantized weight
-            and head.weight.dim() == 2
+            type(getattr(head, "weight", None)) is torch.nn.Parameter  # a Linear (or a packed one) with a float
+            and head.weight.dim() == 2  # weight, not a quantized one
             and head.weight.is_floating_point()
             and getattr(model, model.base_model_prefix, None) is not None
         )

@@ -36,6 +36,7 @@ FORMATS = ("bf16", "fp16", "fp32", "fp32-packed", "8bit", "dynamic-int8", "int4"
 FORMAT_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32})
 # what a target may be in: its own values, in a dtype or a layout (a quantized target would change the output)
 TARGET_FORMATS = (*FORMAT_DTYPES, "fp32-packed")
+FP32_POST_LOAD = ("dynamic-int8", "fp32-packed")  # post-load kinds applied to a model loaded in fp32
 DTYPE_FORMATS = MappingProxyType({torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"})
 ROLES = ("target", "draft")
 
@@ -71,7 +72,7 @@ def format_load_args(fmt: str, device: str = "cpu") -> tuple[torch.dtype, str | 
     fmt = as_format(fmt)
     if fmt in FORMAT_DTYPES:
         return FORMAT_DTYPES[fmt], None
-    if fmt in ("dynamic-int8", "fp32-packed"):
+    if fmt in FP32_POST_LOAD:
         return torch.float32, fmt
     return quantized_compute_dtype(device), fmt
 

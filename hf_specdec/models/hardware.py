@@ -28,8 +28,8 @@ _DTYPES = {
 }
 QUANTIZE = (None, "4bit", "8bit", "dynamic-int8", "int4", "fp32-packed")
 # applied by hf_specdec to a model loaded in float (no bitsandbytes config, so a GGUF file can take them too)
-POST_LOAD_QUANTIZE = ("dynamic-int8", "int4", "fp32-packed")  # applied to a model loaded in float; "fp32-packed"
-# quantizes nothing (the weights reordered for oneDNN, ``packed.py``): the load-time step is its only kinship
+# ("fp32-packed" quantizes nothing: it reorders fp32 weights for oneDNN, ``packed.py``; it is applied the same way)
+POST_LOAD_QUANTIZE = ("dynamic-int8", "int4", "fp32-packed")
 
 
 class ModelLoadOOMError(RuntimeError):
@@ -175,6 +175,23 @@ def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     if not found:
         raise ValueError(f"{type(model).__name__} has no ModuleList of its {count} decoder layers")
     return found[0]
+
+
+def linear_slots(model: torch.nn.Module, lm_head: bool) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
+    """``(full name, parent, attribute, layer)`` of every ``nn.Linear`` of the decoder stack (and of the output
+    layer with ``lm_head``), in module order: where ``int4`` and ``packed`` put their own layers."""
+    stack_parent, stack_name = decoder_layers(model)
+    stack = getattr(stack_parent, stack_name)
+    prefix = {id(m): name for name, m in model.named_modules()}
+    slots = [(f"{prefix[id(parent)]}.{attr}".lstrip("."), parent, attr, child)
+             for parent in stack.modules() for attr, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
+    head = model.get_output_embeddings() if lm_head else None
+    if type(head) is torch.nn.Linear:
+        head_parent = next(m for m in model.modules() if any(c is head for c in m.children()))
+        head_attr = next(attr for attr, c in head_parent.named_children() if c is head)
+        slots.append((f"{prefix[id(head_parent)]}.{head_attr}".lstrip("."), head_parent, head_attr, head))
+    return slots
 
 
 def quantize_dynamic_int8(model: torch.nn.Module) -> torch.nn.Module:

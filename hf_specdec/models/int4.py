@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hardware import decoder_layers
+from .hardware import linear_slots
 
 logger = logging.getLogger(__name__)
 
@@ -177,23 +177,6 @@ class Int4Report:
         return f"int4: {len(self.quantized)} Linear layers (group size {self.group_size}), {head}{kept}"
 
 
-def _linear_slots(model: torch.nn.Module, lm_head: bool) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
-    """``(full name, parent, attribute, layer)`` of every ``nn.Linear`` of the decoder stack (and of the output
-    layer with ``lm_head``), in module order."""
-    stack_parent, stack_name = decoder_layers(model)
-    stack = getattr(stack_parent, stack_name)
-    prefix = {id(m): name for name, m in model.named_modules()}
-    slots = [(f"{prefix[id(parent)]}.{attr}".lstrip("."), parent, attr, child)
-             for parent in stack.modules() for attr, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
-    head = model.get_output_embeddings() if lm_head else None
-    if type(head) is torch.nn.Linear:
-        head_parent = next(m for m in model.modules() if any(c is head for c in m.children()))
-        head_attr = next(attr for attr, c in head_parent.named_children() if c is head)
-        slots.append((f"{prefix[id(head_parent)]}.{head_attr}".lstrip("."), head_parent, head_attr, head))
-    return slots
-
-
 @torch.no_grad()
 def quantize_int4(model: torch.nn.Module, *, group_size: int = GROUP_SIZE, lm_head: bool = False) -> Int4Report:
     """Replace, in place, every ``nn.Linear`` of ``model``'s decoder stack (and its output layer with
@@ -207,7 +190,7 @@ def quantize_int4(model: torch.nn.Module, *, group_size: int = GROUP_SIZE, lm_he
         raise ValueError(f"quantize='int4' runs on CPU only (torch's _weight_int4pack_mm_for_cpu), got {device}")
     quantized: list[str] = []
     kept: list[tuple[str, str]] = []
-    for name, parent, attr, linear in _linear_slots(model, lm_head):
+    for name, parent, attr, linear in linear_slots(model, lm_head):
         problem = int4_shape_problem(linear.out_features, linear.in_features, group_size)
         if problem is not None:
             kept.append((name, problem))

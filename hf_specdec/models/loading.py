@@ -21,14 +21,12 @@ import torch
 
 from . import refs
 from .choose import Choice, Workload, choose_draft_format, choose_dtype
-from .formats import format_load_args, quantize_loaded
+from .formats import FP32_POST_LOAD, format_load_args, quantize_loaded
 from .hardware import (POST_LOAD_QUANTIZE, ModelLoadOOMError, available_memory_bytes, oom_guard,
                        quantization_config, quantized_compute_dtype, resolve_device, resolve_dtype)
 from .profile import HardwareProfile
 from .refs import ResolvedRef, load_config, load_tokenizer, resolve_reference
 from .store import get_profile
-
-FP32_KINDS = ("dynamic-int8", "fp32-packed")  # post-load kinds applied to a model loaded in fp32
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +35,9 @@ logger = logging.getLogger(__name__)
 class LoadInfo:
     """How a model was loaded: the reference asked for, its kind ("bundle", "gguf", "pretrained"), the path
     ``from_pretrained`` read, the resolved dtype name, the post-load or bitsandbytes kind (None, "4bit", "8bit",
-    "dynamic-int8", "int4", "fp32-packed": ``hardware.QUANTIZE``), the device and the seconds the weights took to load; ``choice``: what ``dtype="auto"`` / ``quantize="auto"``
-    chose from the hardware profile and why (None when both were given)."""
+    "dynamic-int8", "int4", "fp32-packed": ``hardware.QUANTIZE``), the device and the seconds the weights took to
+    load; ``choice``: what ``dtype="auto"`` / ``quantize="auto"`` chose from the hardware profile and why (None
+    when both were given)."""
 
     ref: str
     kind: str
@@ -76,7 +75,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
     if quantize != "auto" and not (dtype == "auto" and quantize in (None, "none")):
         if quantize in (None, "none"):
             return resolve_dtype(dtype, device), None, None
-        compute = (torch.float32 if quantize in FP32_KINDS else quantized_compute_dtype(device)) \
+        compute = (torch.float32 if quantize in FP32_POST_LOAD else quantized_compute_dtype(device)) \
             if dtype == "auto" else resolve_dtype(dtype, device)
         return compute, quantize, None
     role = "draft" if quantize == "auto" else "target"
@@ -102,7 +101,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
     choice = choose_draft_format(profile, memory_bytes=memory_bytes if memory_bytes is not None else
                                  available_memory_bytes(device), target_dtype=target_dtype, candidates=candidates)
     torch_dtype, quantize = format_load_args(choice.value, device)
-    return (resolve_dtype(dtype, device) if dtype != "auto" and quantize not in (None, *FP32_KINDS)
+    return (resolve_dtype(dtype, device) if dtype != "auto" and quantize not in (None, *FP32_POST_LOAD)
             else torch_dtype), quantize, choice
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .int4 import _linear_slots  # the decoder stack's Linear layers and the output layer, in module order
+from .hardware import linear_slots
 
 
 def packed_available() -> bool:
@@ -109,7 +109,7 @@ def pack_linears(model: torch.nn.Module) -> PackReport:
         raise ValueError("fp32-packed needs torch with oneDNN (torch.backends.mkldnn); this build has none")
     head = model.get_output_embeddings()
     packed = []
-    for name, parent, attr, linear in _linear_slots(model, lm_head=True):
+    for name, parent, attr, linear in linear_slots(model, lm_head=True):
         setattr(parent, attr, PackedLinear(linear, keep_weight=linear is head))
         packed.append(name)
     if not packed:
