@@ -10,7 +10,9 @@ A/A column"). The old commit's package is exported with ``git archive`` and impo
 (``old_commit.py``), so both run over the same model objects. Modes (default ``plain,old,new,old_again``):
 ``plain`` is transformers' greedy ``generate``; ``old`` / ``new`` / ``old_again`` each keep one memory for the
 whole run, as ``enable`` would (``old_again`` is the old commit with a memory of its own: how far two runs of the
-same code differ); ``--cold`` gives every call a fresh memory instead. Every mode decodes one warm-up call first
+same code differ); ``new_unseeded`` (not in the default) is this checkout with a memory that is not seeded from
+the hardware profile (it learns t(n) from its own forwards, as calls did before seeding); ``--cold`` gives every
+call a fresh memory instead. Every mode decodes one warm-up call first
 (the existing presets warm up; ``bench/first_call.py`` measures the calls without one). Modes are rotated per
 prompt; throughput = total new tokens / total seconds. A forward hook counts target forwards, their inputs and
 the plain (one-input) ones: where a difference comes from.
@@ -30,9 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eval/, when run as bench/before_after.py
 
 import hf_specdec  # noqa: E402
+from hf_specdec.memory import EstimatesFrom, Seeding  # noqa: E402
 from old_commit import import_old  # noqa: E402  (bench/, beside this script)
 
-MODES = ("plain", "old", "new", "old_again")
+MODES = ("plain", "old", "new", "old_again", "new_unseeded")
+DEFAULT_MODES = MODES[:4]
+
+
+UNSEEDED = Seeding(EstimatesFrom.PRIORS, reason="bench: not seeded from the hardware profile")
 
 
 def load(args):
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--cold", action="store_true", help="a fresh memory every call (default: one per mode)")
     parser.add_argument("--tiny", action="store_true", help="the offline tiny pair (a smoke run)")
     parser.add_argument("--out", type=Path, help="write the report as JSON here")
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hf_specdec_old_") as tmp:
         packages = {"new": hf_specdec, "old": import_old(args.old, Path(tmp))}
         packages["old_again"] = packages["old"]
+        packages["new_unseeded"] = hf_specdec
         model, draft, tokenizer, loaded = load(args)
         samples = prompts(args, tokenizer)
         counts = {"forwards": 0, "inputs": 0, "plain": 0}
@@ -109,15 +117,21 @@ def main(argv=None) -> int:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         common = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad)
 
-        def memory(package):
+        def memory(package, seeded=True):
             if args.decoding == "speculative":
-                return package.SpeculativeMemory()
-            return package.LookaheadMemory()
+                found = package.SpeculativeMemory()
+                if not seeded:
+                    found.seed(draft, origin=UNSEEDED)
+                return found
+            found = package.LookaheadMemory()
+            if not seeded:  # an origin and no costs: the call learns t(n) from its own forwards, as 47a4c17 did
+                found.seed(None, origin=UNSEEDED)
+            return found
 
         def decoder(mode):
             if mode == "plain":
                 return lambda inputs: generate(model, **inputs, **common)
-            package, kept = packages[mode], memory(packages[mode])
+            package, kept = packages[mode], memory(packages[mode], seeded=mode != "new_unseeded")
             if args.decoding == "speculative":
                 return lambda inputs: generate(model, **inputs, **common, custom_generate=package.speculative_generate,
                                                draft_model=draft,

@@ -23,6 +23,11 @@ Stages (``--stage``, each reads what the earlier ones wrote in OUT; ``all`` runs
 4. ``spec`` (not in ``all``; needs the target in fp32 and both drafters at once): a short speculative run per
    drafter (``--spec-prompts`` held-out prompts, ``--spec-tokens`` tokens, fixed k = 4, no prompt lookup): mean
    accepted length from the stats, outputs compared with plain greedy.
+5. ``speed`` (not in ``all``): what a user sees. The pair as ``load_pair`` loads it (``auto``), the distilled
+   drafter in the 0.5B draft's chosen format; plain ``generate``, then the README path with each drafter (a
+   fresh ``enable`` before every call: a script's first call, no warm-up), interleaved per held-out prompt
+   (``--spec-prompts``, ``--speed-tokens`` new tokens) with the order rotated; total tokens over total seconds,
+   acceptance, and c as measured in those calls (draft seconds per draft forward over plain seconds per token).
 
 Prompts: training from HumanEval (``--train`` completion prompts from problem 0, ``--train-chat`` chat prompts from
 problem ``--train``), held out: the first ``--heldout`` of bench/heldout.jsonl (not from HumanEval); each cut to
@@ -174,10 +179,71 @@ def stage_spec(args, out: Path) -> dict:
     return result
 
 
+def stage_speed(args, out: Path) -> dict:
+    from hf_specdec.models import load_model, load_pair
+    from hf_specdec.models.formats import model_format
+
+    if args.tiny:
+        from hf_specdec.models.tiny import tiny_pair
+
+        target, draft, tokenizer = tiny_pair()
+        distilled, fmt = load_model(str(out / "distilled"), dtype="fp32").model, "fp32"
+    else:
+        (target, tokenizer, _), (draft, _, draft_info) = load_pair(args.target, args.draft)
+        fmt = model_format(draft)
+        distilled = load_model(str(out / "distilled"), quantize=draft_info.quantize,
+                               dtype="auto" if draft_info.quantize else draft_info.dtype).model
+    config = target.generation_config  # greedy, every mode the same argmax path
+    config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
+    _, heldout = _prompts(args, tokenizer)
+    prompts = [torch.tensor([list(ids)]) for ids in heldout[: args.spec_prompts]]
+    modes = {"plain": None, "draft": draft, "distilled": distilled}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0, "accepted": 0, "drafted": 0,
+                     "draft_forwards": 0, "draft_s": 0.0} for name in modes}
+    for i, ids in enumerate(prompts):
+        order = list(modes)[i % len(modes):] + list(modes)[: i % len(modes)]
+        outputs = {}
+        for name in order:
+            drafter, t0 = modes[name], time.perf_counter()
+            if drafter is None:
+                got = type(target).generate(target, ids, max_new_tokens=args.speed_tokens)
+            else:
+                hf_specdec.disable(target)
+                hf_specdec.enable(target)  # a fresh memory: the call a script makes once
+                got = target.generate(ids, assistant_model=drafter, max_new_tokens=args.speed_tokens)
+            seconds = time.perf_counter() - t0
+            outputs[name] = got[0, ids.shape[1]:].tolist()
+            total = totals[name]
+            total["tokens"] += len(outputs[name])
+            total["seconds"] += seconds
+            if drafter is not None:
+                stats = target.last_spec_stats.get()
+                total["accepted"] += stats.accepted
+                total["drafted"] += stats.drafted
+                total["draft_forwards"] += stats.draft_forwards
+                total["draft_s"] += stats.draft_time_s
+        for name in modes:
+            totals[name]["identical"] += int(outputs[name] == outputs["plain"])
+    plain_step = totals["plain"]["seconds"] / max(1, totals["plain"]["tokens"])
+    result = {"format": fmt, "prompts": len(prompts), "tokens": args.speed_tokens}
+    for name, total in totals.items():
+        rate = total["tokens"] / total["seconds"]
+        record = {"tokens_per_s": rate, "vs_plain": rate * plain_step, "identical_to_plain": total["identical"],
+                  "seconds": total["seconds"]}
+        if name != "plain":
+            record.update(acceptance=total["accepted"] / total["drafted"] if total["drafted"] else 0.0,
+                          drafted=total["drafted"], draft_forwards=total["draft_forwards"],
+                          c_measured=(total["draft_s"] / total["draft_forwards"] / plain_step
+                                      if total["draft_forwards"] else None))
+        result[name] = record
+    result["distilled_vs_draft"] = result["distilled"]["tokens_per_s"] / result["draft"]["tokens_per_s"]
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--stage", default="all", choices=["all", *STAGES, "spec"])
+    p.add_argument("--stage", default="all", choices=["all", *STAGES, "spec", "speed"])
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="'none': no draft (target_first / config starts)")
     p.add_argument("--start", default="draft_spread:12")
@@ -195,6 +261,7 @@ def main(argv=None) -> int:
                                                           "start needs the target)")
     p.add_argument("--spec-prompts", type=int, default=2)
     p.add_argument("--spec-tokens", type=int, default=32)
+    p.add_argument("--speed-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="smoke run on hf_specdec.models.tiny.tiny_pair()")
     args = p.parse_args(argv)

@@ -39,13 +39,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hf_specdec import cache as kv  # noqa: E402
+from hf_specdec.config import AUTO_DRAFT_VOCAB  # noqa: E402
 from hf_specdec.drafters.draft_model import SubVocabHead  # noqa: E402
 from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model  # noqa: E402
 from hf_specdec.models.hardware import footprint_bytes, machine_record  # noqa: E402
 from hf_specdec.models.int4 import quantize_int4  # noqa: E402
 from hf_specdec.models.refs import load_tokenizer, resolve_reference  # noqa: E402
 
-NARROW = 32768  # SpecConfig.draft_vocab_size "auto" for a vocabulary over 65536
+NARROW = AUTO_DRAFT_VOCAB  # SpecConfig.draft_vocab_size "auto" for a vocabulary over 65536
 
 
 FORMATS = ("fp32", "bf16", "dynamic-int8", "int4", "int4+head", "nf4")

@@ -14,6 +14,18 @@ from typing import Any, Literal, Union
 
 POLICIES = ("adaptive", "fixed", "heuristic")
 Auto = Literal["auto"]
+AUTO_DRAFT_VOCAB = 32768  # draft_vocab_size "auto": the draft's output layer over this many ids ...
+NARROW_ABOVE = 65536  # ... where the vocabulary is larger than this
+
+
+def auto_draft_vocab_size(vocab_size: int) -> int | None:
+    """The ids a draft's output layer scores under ``draft_vocab_size="auto"`` (None: all of them): the one rule
+    the drafter and the hardware profile's draft measurements share.
+
+    >>> auto_draft_vocab_size(151936), auto_draft_vocab_size(49152)
+    (32768, None)
+    """
+    return AUTO_DRAFT_VOCAB if vocab_size > NARROW_ABOVE else None
 
 
 class TreeMode(enum.StrEnum):
@@ -104,7 +116,8 @@ class SpecConfig(_FromDict):
         its most frequent tokens), plus every prompt token and the special tokens. On a memory-bound CPU the
         draft's output layer over a 150k vocabulary costs as much as its 4-bit body. The target still scores
         every token, so output is unchanged; only what the draft can propose narrows. ``"auto"``: 32768 when
-        the vocabulary is larger than 65536, else off; ``None``: off.
+        the vocabulary is larger than 65536, else off (``auto_draft_vocab_size``; the hardware profile times
+        draft steps with the same head); ``None``: off.
     """
 
     policy: Literal["adaptive", "fixed", "heuristic"] = "adaptive"

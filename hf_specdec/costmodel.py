@@ -597,19 +597,21 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def forward_times(model, prefix_ids: torch.LongTensor, sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
+def forward_times(model, prefix_ids: torch.LongTensor, sizes: Sequence[int], repeats: int = 5,
+                  head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[int, float]:
     """Median seconds of one forward over n new tokens on top of a cached prefix (``prefix_ids``: [1, L]), per n.
 
     The cache is rolled back to the prefix after every timed forward; repeats are interleaved over n so that
     drift (other processes, clocks) spreads evenly over the sizes, and the first pass is a warm-up. CUDA work
-    is synchronised before each clock read.
+    is synchronised before each clock read. ``head``: the output layer the forwards use instead of the model's
+    (``cache.call_model``; a draft's narrowed head).
     """
     from . import cache as kv  # the one place that touches caches
 
     device = next(model.parameters()).device
     prefix_ids = prefix_ids.to(device)
     cache = kv.new_cache(model)
-    kv.call_model(model, prefix_ids, cache)
+    kv.call_model(model, prefix_ids, cache, head=head)
     base = prefix_ids.shape[1]
     times: dict[int, list[float]] = {int(n): [] for n in sizes}
     for repeat in range(repeats + 1):
@@ -617,7 +619,7 @@ def forward_times(model, prefix_ids: torch.LongTensor, sizes: Sequence[int], rep
             ids = prefix_ids[:, -1:].repeat(1, n)
             _sync(device)
             start = time.perf_counter()
-            kv.call_model(model, ids, cache, logits_at=n)
+            kv.call_model(model, ids, cache, logits_at=n, head=head)
             _sync(device)
             if repeat:
                 times[n].append(time.perf_counter() - start)

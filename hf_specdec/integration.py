@@ -25,7 +25,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
 from . import cache as kv
-from .config import LookaheadConfig, SpecConfig, TreeMode
+from .config import LookaheadConfig, SpecConfig, TreeMode, auto_draft_vocab_size
 from .costmodel import Estimates
 from .drafters.base import ChainDrafter, PerRow
 from .drafters.draft_model import DraftModelDrafter
@@ -173,7 +173,7 @@ def _with_trees(config: SpecConfig, model, draft_model, rows: int) -> SpecConfig
 
 def _draft_vocab_size(config: SpecConfig, shared: int) -> int | None:
     if config.draft_vocab_size == "auto":
-        return 32768 if shared > 65536 else None
+        return auto_draft_vocab_size(shared)
     return config.draft_vocab_size
 
 

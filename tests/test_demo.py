@@ -215,6 +215,7 @@ def test_model_load_failure_is_shown_not_raised(monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("no-such-model: not a bundle, not a local directory, and the hub is unreachable")
 
+    monkeypatch.setattr(loading, "get_profile", lambda target, draft: None)
     monkeypatch.setattr(loading, "load_model", fail)
     frames = run_all(cache, ["plain", "hf_specdec"])
     status, html, *_ = unpack(frames[-1])
@@ -235,6 +236,7 @@ def test_draft_load_failure_is_shown_in_the_panes_that_need_it(monkeypatch):
             raise OSError("broken-draft: no such model")
         return LoadedModel(target, tokenizer, LoadInfo(ref, "pretrained", ref, "float32", None, "cpu", 0.0))
 
+    monkeypatch.setattr(loading, "get_profile", lambda target, draft: None)
     monkeypatch.setattr(loading, "load_model", load)
     cache = app.ModelCache(app.ModelChoice(target="t", draft="broken-draft"), warm_modes=["plain"])
     frames = run_all(cache, ["plain", "assisted"], max_new_tokens=4)
@@ -242,6 +244,30 @@ def test_draft_load_failure_is_shown_in_the_panes_that_need_it(monkeypatch):
     assert 'data-status="done"' in html["plain"] and 'data-status="error"' in html["assisted"]
     assert "broken-draft: no such model" in html["assisted"]
 
+
+
+def test_the_target_dtype_is_chosen_with_the_draft_profiled(monkeypatch):
+    """dtype "auto": the demo loads the target and the "auto" draft with one profile of the pair, as load_pair
+    does, so the target's dtype is priced with the draft's step (not as if there were no draft); an explicit
+    draft format loads without it."""
+    from hf_specdec.models import LoadedModel
+    from hf_specdec.models.loading import LoadInfo
+    from hf_specdec.models.tiny import tiny_pair
+
+    target, _, tokenizer = tiny_pair()
+    pair_profile, profiled, loads = object(), [], []
+    monkeypatch.setattr(loading, "get_profile", lambda t, d: profiled.append((t, d)) or pair_profile)
+
+    def load(ref, **kwargs):
+        loads.append((ref, kwargs.get("quantize"), kwargs.get("profile")))
+        return LoadedModel(target, tokenizer, LoadInfo(ref, "pretrained", ref, "float32", None, "cpu", 0.0))
+
+    monkeypatch.setattr(loading, "load_model", load)
+    cache = app.ModelCache(app.ModelChoice(target="t", draft="d"), warm_modes=[])
+    cache.get("auto")
+    cache.get("none")
+    assert profiled == [("t", "d")]
+    assert loads == [("t", None, pair_profile), ("d", "auto", pair_profile), ("d", None, None)]
 
 def test_leaving_mid_run_stops_generate(tiny_cache):
     loaded = tiny_cache.get("none")

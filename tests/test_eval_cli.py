@@ -5,11 +5,13 @@ import json
 import pytest
 import torch
 
+import hf_specdec
 from eval.__main__ import main
 from hf_specdec import LookaheadConfig
 from hf_specdec.harness import MODES, Harness, Settings
 from hf_specdec.models.tiny import save_tiny_pair
 from hf_specdec.stats import last_spec_stats
+from tests.clock import VirtualClock
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,24 @@ def test_harness_measurements(models):
             assert spec["output_ids"] == row["output_ids"], mode
             assert spec["spec"]["new_tokens"] == spec["new_tokens"] and spec["round_log"], mode
 
+
+
+def test_chain_and_tree_modes(models, monkeypatch):
+    """specdec_chain never verifies a tree, specdec_tree does; both exact. The clock charges flat target forwards
+    and a cheap draft (tests/clock.py), where drafting pays."""
+    target, draft, tok = models
+    hf_specdec.disable(target)  # a fresh memory: the module's earlier tests taught this one real, unpaying costs
+    clock = VirtualClock(monkeypatch)
+    clock.charge(monkeypatch, target, lambda n: 1.0, name="target")
+    clock.charge(monkeypatch, draft, lambda n: 0.01, name="draft")
+    with Harness(target, tok, draft, Settings(max_new_tokens=16)) as harness:
+        ids = harness.encode("def add(a, b):\n").input_ids
+        plain = harness.generate_row("plain", ids, seed=0)["output_ids"]
+        chain = harness.generate_row("specdec_chain", ids, seed=0)
+        tree = harness.generate_row("specdec_tree", ids, seed=0)
+    assert chain["output_ids"] == tree["output_ids"] == plain
+    assert chain["spec"]["drafted"] > 0 and chain["spec"]["tree_rounds"] == 0
+    assert tree["spec"]["tree_rounds"] > 0 and tree["spec"]["tree_nodes"] > tree["spec"]["tree_rounds"]
 
 def test_fixed_k_modes_fix_k_on_the_draft(models):
     """transformers reads the fixed k (and the confidence stop that would make k variable) from the draft's

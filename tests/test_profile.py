@@ -541,3 +541,33 @@ def test_seed_memory_passes_the_draft_prompt_read():
     assert target.speculative_memory.estimates(draft).draft_read.prior == pytest.approx(share)
     plain = tiny_model("qwen2", seed=2)
     assert "not enabled" in seed_memory(plain, draft, profile=given)["why"]  # seeding enables nothing itself
+
+
+def test_a_draft_step_is_timed_through_the_head_it_drafts_with(monkeypatch):
+    """A draft over a vocabulary the drafter narrows (over 65536 ids) is timed through the narrowed head it
+    drafts with (SubVocabHead over the first 32768 ids), whose weights count in its footprint; a target, and a
+    draft whose vocabulary is not narrowed, through their own output layer."""
+    from hf_specdec.drafters.draft_model import SubVocabHead
+
+    wide = tiny_model("qwen2", vocab=70000, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                      tie_word_embeddings=False).eval()
+    heads = []
+    real = M.forward_times
+    monkeypatch.setattr(M, "forward_times", lambda *a, head=None, **k: heads.append(head) or real(*a, head=head, **k))
+    head = M.drafting_head(wide)
+    assert isinstance(head, SubVocabHead) and head.token_ids.tolist() == list(range(32768))
+    draft = M.measure_model(wide, "draft", sizes=(1,), repeats=1, rounds=1, read_tokens=(8,))
+    assert [h.token_ids.numel() for h in heads] == [32768]
+    assert draft.footprint_bytes == hardware.footprint_bytes(wide) + 32768 * 16 * 4  # the narrowed fp32 copy
+    heads.clear()
+    M.measure_model(wide, "target", sizes=(1,), repeats=1, rounds=1)
+    assert heads == [None]
+    assert M.drafting_head(tiny_model()) is None  # 384 ids: scored in full
+
+
+def test_draft_keys_name_how_a_step_is_timed():
+    """Draft entries timed through the whole output layer (cached before draft steps were timed as they draft)
+    are measured again: the draft key carries the step's method, the target key is unchanged."""
+    device = P.DeviceIdentity("cpu", "x")
+    target, draft = (P.ProfileKey(role, "fp32", "m", device, "2.13.0") for role in ("target", "draft"))
+    assert "step" not in target.to_dict() and draft.to_dict()["step"] == P.DRAFT_STEP == "drafting-head"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..harness import MODES, Harness, choice_line, warm_up
-from ..models import DEFAULT_DRAFT, DEFAULT_TARGET, load_model
+from ..models import DEFAULT_DRAFT, DEFAULT_TARGET, get_profile, load_model
 from ..models.tiny import tiny_pair
 
 TINY_LABEL = "tiny random Llama pair (offline, random weights: the text is gibberish)"
@@ -62,6 +62,7 @@ class ModelCache:
         self._failed_at = float("-inf")
         self._loaded: dict[str, Loaded] = {}
         self._target_notes: list[str] = []  # what loading chose for the target, and why
+        self._profile = None  # the pair's hardware profile, when loading chooses a format (as load_pair's)
 
     def is_loaded(self, draft_quant: str = "auto") -> bool:
         return draft_quant in self._loaded
@@ -97,7 +98,10 @@ class ModelCache:
             else:
                 print(f"[demo] loading target {self.choice.target} (the first start downloads the bundle) ...",
                       flush=True)
-                target, tokenizer, info = load_model(self.choice.target, dtype=self.choice.dtype)
+                if self.choice.dtype == "auto":  # the target's dtype priced with the draft's step, as load_pair
+                    self._profile = get_profile(self.choice.target, self.choice.draft)
+                target, tokenizer, info = load_model(self.choice.target, dtype=self.choice.dtype,
+                                                     profile=self._profile)
                 self._target_notes = [choice_line("target", info)]
         except LOAD_ERRORS as exc:
             what = "the tiny models" if self.choice.tiny else f"the target model `{self.choice.target}`"
@@ -112,7 +116,8 @@ class ModelCache:
         dtype = str(self._target.dtype).removeprefix("torch.") if quantize is None else self.choice.dtype
         print(f"[demo] loading draft {self.choice.draft} (quantize={quantize}) ...", flush=True)
         try:
-            loaded = load_model(self.choice.draft, dtype=dtype, quantize=quantize)
+            loaded = load_model(self.choice.draft, dtype=dtype, quantize=quantize,
+                                profile=self._profile if quantize == "auto" else None)
             return loaded.model, None, [choice_line("draft", loaded.info)]
         except LOAD_ERRORS as exc:
             if quantize is None:

@@ -10,6 +10,8 @@
 - ``hf_prompt_lookup``: transformers prompt lookup, ``prompt_lookup_num_tokens=10``.
 - ``specdec_adaptive``, ``specdec_fixed``, ``specdec_heuristic``: hf_specdec with the draft,
   ``SpecConfig(policy=..., num_draft_tokens=spec_k)`` (``max_draft_tokens``: its default, or spec_k if larger).
+- ``specdec_chain``, ``specdec_tree``: ``specdec_adaptive`` with ``tree="off"`` (one chain a round) and
+  ``tree="on"`` (the best tree that branches); ``specdec_adaptive`` itself is ``tree="auto"``, the default.
 - ``lookahead``: hf_specdec lookahead, no draft; cold: a fresh memory per call (no call learns from another),
   which knows only the hardware profile's t(n) (``Harness.cold_memory``).
 - ``lookahead_warm``: hf_specdec lookahead with the harness's one ``LookaheadMemory`` (one run, one task
@@ -33,6 +35,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from .. import LookaheadConfig, LookaheadMemory, SpecConfig, enable
+from ..config import TreeMode
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -145,10 +148,11 @@ def _assisted(k: int | None) -> Callable:
     return call
 
 
-def _specdec(policy: str) -> Callable:
+def _specdec(policy: str, tree: TreeMode = TreeMode.AUTO) -> Callable:
     def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         k = settings.spec_k
-        config = SpecConfig(policy=policy, num_draft_tokens=k, max_draft_tokens=max(SpecConfig.max_draft_tokens, k))
+        config = SpecConfig(policy=policy, num_draft_tokens=k, max_draft_tokens=max(SpecConfig.max_draft_tokens, k),
+                            tree=tree if policy == "adaptive" else TreeMode.OFF)
         return enable(h.target).generate(**kwargs, assistant_model=h.draft, spec_config=config)
 
     return call
@@ -171,6 +175,8 @@ MODES = MappingProxyType({mode.name: mode for mode in (
     Mode("specdec_adaptive", "hf_specdec (adaptive)", True, True, _specdec("adaptive")),
     Mode("specdec_fixed", "hf_specdec (fixed)", True, True, _specdec("fixed")),
     Mode("specdec_heuristic", "hf_specdec (heuristic)", True, True, _specdec("heuristic")),
+    Mode("specdec_chain", "hf_specdec (adaptive, chain only)", True, True, _specdec("adaptive", TreeMode.OFF)),
+    Mode("specdec_tree", "hf_specdec (adaptive, trees on)", True, True, _specdec("adaptive", TreeMode.ON)),
     Mode("lookahead", "Lookahead (hf_specdec)", False, True, _lookahead(warm=False)),
     Mode("lookahead_warm", "Lookahead with memory (hf_specdec)", False, True, _lookahead(warm=True)),
 )})

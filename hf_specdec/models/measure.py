@@ -3,7 +3,8 @@
 - per target dtype: t(n), seconds of one forward over n new tokens on top of a cached ``CONTEXT_TOKENS``
   prefix, n in ``TARGET_SIZES``, and the prefill: one forward over a ``PREFILL_TOKENS`` prompt;
 - per draft format: one draft step over n rows, n in ``DRAFT_SIZES``, timed as one row of n new tokens (the same
-  matrix products), and the draft's prompt read: its prefill over prompts of ``DRAFT_READ_TOKENS`` tokens, so
+  matrix products) through the output layer it drafts with (``drafting_head``: narrowed where the drafter
+  narrows it), and the draft's prompt read: its prefill over prompts of ``DRAFT_READ_TOKENS`` tokens, so
   that the core prices it as a fixed part plus a part per prompt token (``profile.linear_parts``). Every prefill
   time is warm: the first forward at each length is a warm-up and is not counted (one-time kernel and allocator
   costs would otherwise land in the fixed part). A draft step does not grow with the batch as the target's
@@ -62,9 +63,10 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def prefill_seconds(model, prompt_ids: torch.LongTensor, repeats: int = 2) -> float:
+def prefill_seconds(model, prompt_ids: torch.LongTensor, repeats: int = 2, head=None) -> float:
     """Median seconds of one forward over ``prompt_ids`` ([1, P]) into an empty cache, logits of the last
-    position only (what generation's prefill computes), after a warm-up; CUDA synchronised.
+    position only (what generation's prefill computes), after a warm-up; CUDA synchronised. ``head``: the
+    output layer used instead of the model's (a draft's narrowed head, ``drafting_head``).
 
     ``costmodel.forward_times`` prices new tokens on top of a cache with logits for each of them, which is a
     verify forward; a prefill keeps one row of logits, so it has its own probe here.
@@ -78,12 +80,31 @@ def prefill_seconds(model, prompt_ids: torch.LongTensor, repeats: int = 2) -> fl
         cache = kv.new_cache(model)
         _sync(device)
         start = time.perf_counter()
-        kv.call_model(model, prompt_ids, cache, logits_at=1)
+        kv.call_model(model, prompt_ids, cache, logits_at=1, head=head)
         _sync(device)
         if repeat:
             samples.append(time.perf_counter() - start)
         del cache
     return statistics.median(samples)
+
+
+def drafting_head(model):
+    """The output layer a draft model drafts with: ``drafters.draft_model.SubVocabHead`` over the first
+    ``config.auto_draft_vocab_size`` ids where its output layer is a float one that can be narrowed (what
+    ``SpecConfig(draft_vocab_size="auto")`` does), else None (its own). A draft step's cost depends on it: the
+    0.5B Qwen2.5 draft's fp32 output layer reads 545 MB over 151,936 ids and 117 MB over 32,768, and in dynamic
+    int8 its body reads 358 MB; a profile that timed the whole output layer priced a step the draft never takes.
+    The prompt's own ids beyond the first ones, which the drafter also scores, are left out (a few rows)."""
+    from ..config import auto_draft_vocab_size
+    from ..drafters.draft_model import SubVocabHead  # the drafter's own head, not a copy of its arithmetic
+
+    if not SubVocabHead.usable(model):
+        return None
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    width = auto_draft_vocab_size(rows)
+    if width is None or width >= rows:
+        return None
+    return SubVocabHead(model, torch.arange(width, device=model.get_output_embeddings().weight.device), rows)
 
 
 def _token_ids(length: int, vocab: int, seed: int = 0) -> torch.LongTensor:
@@ -208,15 +229,19 @@ class Timing:
 
 def _timings(model, role: str, sizes: Sequence[int], repeats: int, context_tokens: int, prefill_tokens: int,
              read_tokens: Sequence[int] = DRAFT_READ_TOKENS) -> Timing:
+    """A target as it verifies; a draft as it drafts, through its narrowed head (``drafting_head``), whose
+    weights it holds beside its own while it drafts (counted in the footprint)."""
     vocab = int(model.get_input_embeddings().weight.shape[0])
     prefill_repeats = max(1, repeats - 1)
+    head = drafting_head(model) if role == "draft" else None
     with _quiet_bitsandbytes():
-        steps = forward_times(model, _token_ids(context_tokens, vocab), sizes, repeats)
+        steps = forward_times(model, _token_ids(context_tokens, vocab), sizes, repeats, head=head)
         prefill = (prefill_seconds(model, _token_ids(prefill_tokens, vocab, seed=1), prefill_repeats)
                    if role == "target" and prefill_tokens else None)
-        reads = ({n: prefill_seconds(model, _token_ids(n, vocab, seed=2), prefill_repeats) for n in read_tokens}
-                 if role == "draft" else {})
-    return Timing(steps, prefill, reads, footprint_bytes(model))
+        reads = ({n: prefill_seconds(model, _token_ids(n, vocab, seed=2), prefill_repeats, head=head)
+                  for n in read_tokens} if role == "draft" else {})
+    extra = 0 if head is None else head.weight.numel() * head.weight.element_size()
+    return Timing(steps, prefill, reads, footprint_bytes(model) + extra)
 
 
 def _scaled(one: float, two: float, layers: int) -> float:
@@ -267,7 +292,7 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
             proxies = {2: build_proxy(config, fmt, device, 2, workdir)}
             proxies[1] = one_layer_view(proxies[2])
             if slower_than is not None:
-                probe = _probe_t1(proxies, layers, context_tokens)
+                probe = _probe_t1(proxies, layers, context_tokens, role)
                 if probe > slower_than:
                     footprint = int(_scaled(footprint_bytes(proxies[1]), footprint_bytes(proxies[2]), layers))
                     return FormatCost(fmt, {1: probe}, footprint_bytes=footprint, method="probe",
@@ -297,13 +322,14 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
                       context_tokens, reads)
 
 
-def _probe_t1(proxies: Mapping[int, Any], layers: int, context_tokens: int) -> float:
+def _probe_t1(proxies: Mapping[int, Any], layers: int, context_tokens: int, role: str) -> float:
     """t(1) of the real layer count from one short timing of each proxy (``PROBE_REPEATS`` steps after a
     warm-up): enough to tell a format several times slower than another, never to price it."""
     vocab = int(proxies[2].get_input_embeddings().weight.shape[0])
     ids = _token_ids(context_tokens, vocab)
+    head = drafting_head(proxies[2]) if role == "draft" else None  # one head: the proxies share their weights
     with _quiet_bitsandbytes():
-        one, two = (forward_times(proxies[count], ids, (1,), PROBE_REPEATS)[1] for count in (1, 2))
+        one, two = (forward_times(proxies[count], ids, (1,), PROBE_REPEATS, head=head)[1] for count in (1, 2))
     return _scaled(one, two, layers)
 
 

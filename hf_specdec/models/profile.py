@@ -41,6 +41,9 @@ SCHEMA = "hf_specdec.profile/1"
 CONTEXT_TOKENS = 100
 PREFILL_TOKENS = 256
 METHODS = ("proxy", "real", "given", "probe")  # how a FormatCost was measured (FormatCost.method)
+# how a draft step is timed, part of every draft key: through the output layer it drafts with (a narrowed one,
+# measure.drafting_head); entries timed through the whole output layer (no tag) are measured again
+DRAFT_STEP = "drafting-head"
 # flags that decide what runs fast on a CPU: native bf16 / fp16 / int8 dot products and tiles
 PROFILE_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_bf16",
                      "amx_int8", "amx_fp16")
@@ -135,8 +138,9 @@ class ProfileKey:
         object.__setattr__(self, "sizes", tuple(self.sizes) or role_sizes(self.role))
 
     def to_dict(self) -> dict:
-        return {"schema": self.schema, "role": self.role, "format": self.format, "model": self.model,
-                "device": self.device.to_dict(), "torch": self.torch_version, "sizes": list(self.sizes)}
+        found = {"schema": self.schema, "role": self.role, "format": self.format, "model": self.model,
+                 "device": self.device.to_dict(), "torch": self.torch_version, "sizes": list(self.sizes)}
+        return found if self.role == "target" else {**found, "step": DRAFT_STEP}
 
     @property
     def digest(self) -> str:
