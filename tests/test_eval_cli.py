@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-import hf_specdec
 from eval.__main__ import main
 from hf_specdec import LookaheadConfig
 from hf_specdec.harness import MODES, Harness, Settings
 from hf_specdec.models.tiny import save_tiny_pair
+from hf_specdec.round import SourceKind
 from hf_specdec.stats import last_spec_stats
 from tests.clock import VirtualClock
 
@@ -55,7 +55,6 @@ def test_chain_and_tree_modes(models, monkeypatch):
     """specdec_chain never verifies a tree, specdec_tree does; both exact. The clock charges flat target forwards
     and a cheap draft (tests/clock.py), where drafting pays."""
     target, draft, tok = models
-    hf_specdec.disable(target)  # a fresh memory: the module's earlier tests taught this one real, unpaying costs
     clock = VirtualClock(monkeypatch)
     clock.charge(monkeypatch, target, lambda n: 1.0, name="target")
     clock.charge(monkeypatch, draft, lambda n: 0.01, name="draft")
@@ -67,6 +66,10 @@ def test_chain_and_tree_modes(models, monkeypatch):
     assert chain["output_ids"] == tree["output_ids"] == plain
     assert chain["spec"]["drafted"] > 0 and chain["spec"]["tree_rounds"] == 0
     assert tree["spec"]["tree_rounds"] > 0 and tree["spec"]["tree_nodes"] > tree["spec"]["tree_rounds"]
+    # each mode learns on its own memory: the tree's second choices were judged in the tree mode's alone
+    second_choice = (SourceKind.DRAFT, 1)
+    assert second_choice in harness.spec_memory("specdec_tree").estimates(draft).acceptance
+    assert second_choice not in harness.spec_memory("specdec_chain").estimates(draft).acceptance
 
 def test_fixed_k_modes_fix_k_on_the_draft(models):
     """transformers reads the fixed k (and the confidence stop that would make k variable) from the draft's

@@ -12,6 +12,7 @@
   ``SpecConfig(policy=..., num_draft_tokens=spec_k)`` (``max_draft_tokens``: its default, or spec_k if larger).
 - ``specdec_chain``, ``specdec_tree``: ``specdec_adaptive`` with ``tree="off"`` (one chain a round) and
   ``tree="on"`` (the best tree that branches); ``specdec_adaptive`` itself is ``tree="auto"``, the default.
+  Each hf_specdec mode decodes on a speculative memory of its own (``Harness.spec_memory``).
 - ``lookahead``: hf_specdec lookahead, no draft; cold: a fresh memory per call (no call learns from another),
   which knows only the hardware profile's t(n) (``Harness.cold_memory``).
 - ``lookahead_warm``: hf_specdec lookahead with the harness's one ``LookaheadMemory`` (one run, one task
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from .. import LookaheadConfig, LookaheadMemory, SpecConfig, enable
+from .. import LookaheadConfig, LookaheadMemory, SpecConfig, SpeculativeMemory, enable
 from ..config import TreeMode
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
@@ -59,6 +60,8 @@ class Models(Protocol):
     memory: LookaheadMemory
 
     def cold_memory(self) -> LookaheadMemory: ...
+
+    def spec_memory(self, mode: str) -> SpeculativeMemory: ...
 
     def plain_target(self, fmt: str) -> Any: ...
 
@@ -148,12 +151,13 @@ def _assisted(k: int | None) -> Callable:
     return call
 
 
-def _specdec(policy: str, tree: TreeMode = TreeMode.AUTO) -> Callable:
+def _specdec(name: str, policy: str, tree: TreeMode = TreeMode.AUTO) -> Callable:
     def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         k = settings.spec_k
         config = SpecConfig(policy=policy, num_draft_tokens=k, max_draft_tokens=max(SpecConfig.max_draft_tokens, k),
                             tree=tree if policy == "adaptive" else TreeMode.OFF)
-        return enable(h.target).generate(**kwargs, assistant_model=h.draft, spec_config=config)
+        return enable(h.target).generate(**kwargs, assistant_model=h.draft, spec_config=config,
+                                         speculative_memory=h.spec_memory(name))
 
     return call
 
@@ -172,11 +176,13 @@ MODES = MappingProxyType({mode.name: mode for mode in (
     Mode("hf_assisted_k3", "Transformers assisted, k=3", True, False, _assisted(3)),
     Mode("hf_assisted_k5", "Transformers assisted, k=5", True, False, _assisted(5)),
     Mode("hf_prompt_lookup", "Transformers prompt lookup", False, False, _transformers(prompt_lookup_num_tokens=10)),
-    Mode("specdec_adaptive", "hf_specdec (adaptive)", True, True, _specdec("adaptive")),
-    Mode("specdec_fixed", "hf_specdec (fixed)", True, True, _specdec("fixed")),
-    Mode("specdec_heuristic", "hf_specdec (heuristic)", True, True, _specdec("heuristic")),
-    Mode("specdec_chain", "hf_specdec (adaptive, chain only)", True, True, _specdec("adaptive", TreeMode.OFF)),
-    Mode("specdec_tree", "hf_specdec (adaptive, trees on)", True, True, _specdec("adaptive", TreeMode.ON)),
+    Mode("specdec_adaptive", "hf_specdec (adaptive)", True, True, _specdec("specdec_adaptive", "adaptive")),
+    Mode("specdec_fixed", "hf_specdec (fixed)", True, True, _specdec("specdec_fixed", "fixed")),
+    Mode("specdec_heuristic", "hf_specdec (heuristic)", True, True, _specdec("specdec_heuristic", "heuristic")),
+    Mode("specdec_chain", "hf_specdec (adaptive, chain only)", True, True,
+         _specdec("specdec_chain", "adaptive", TreeMode.OFF)),
+    Mode("specdec_tree", "hf_specdec (adaptive, trees on)", True, True,
+         _specdec("specdec_tree", "adaptive", TreeMode.ON)),
     Mode("lookahead", "Lookahead (hf_specdec)", False, True, _lookahead(warm=False)),
     Mode("lookahead_warm", "Lookahead with memory (hf_specdec)", False, True, _lookahead(warm=True)),
 )})

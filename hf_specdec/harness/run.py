@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from .. import LookaheadMemory, enable
+from .. import LookaheadMemory, SpeculativeMemory, enable
+from ..models.seeding import seed_speculative
 from ..stats import last_spec_stats
 from .encoding import EncodedPrompt, encode_prompt
 from .formats import seed_memory as _seed_memory
@@ -83,7 +84,9 @@ def _rss_peak() -> int | None:
 
 class Harness:
     """The models of one comparison, and what its calls share: forward counters and, for ``lookahead_warm``,
-    one ``LookaheadMemory`` (fresh per harness; ``new_memory()`` starts another task family).
+    one ``LookaheadMemory`` (fresh per harness; ``new_memory()`` starts another task family). Each hf_specdec
+    mode decodes on a ``SpeculativeMemory`` of its own (``spec_memory``), kept for the harness's life and seeded as
+    the target's: modes compared in one run never learn from each other's calls.
 
     ``plain_targets``: copies of the target in other dtypes, ``{"fp32": model, ...}``, for the ``plain_<dtype>``
     modes (a copy may be the target itself). With a draft and ``seed_memory`` (the default), the target's
@@ -107,6 +110,8 @@ class Harness:
         self._plain_forwards = {fmt: ForwardCounter(model) for fmt, model in self.plain_targets.items()
                                 if model is not target}
         self.memory_seed: dict[str, Any] | None = None
+        self._seeding = (profile, profile_cache_dir) if seed_memory else None
+        self._spec_memories: dict[str, SpeculativeMemory] = {}
         if draft is not None and seed_memory:
             enable(target)  # the speculative memory to seed is hf_specdec's, kept on the target
             self.memory_seed = _seed_memory(target, draft, profile=profile, cache_dir=profile_cache_dir)
@@ -142,6 +147,17 @@ class Harness:
 
     def new_memory(self) -> None:
         self.memory = self.cold_memory()
+
+    def spec_memory(self, mode: str) -> SpeculativeMemory:
+        """The speculative memory of hf_specdec mode ``mode``, made (and seeded for the draft from the profile, as
+        the target's) on its first call."""
+        found = self._spec_memories.get(mode)
+        if found is None:
+            found = self._spec_memories[mode] = SpeculativeMemory()
+            if self.draft is not None and self._seeding is not None:
+                profile, cache_dir = self._seeding
+                seed_speculative(found, self.target, self.draft, profile=profile, cache_dir=cache_dir)
+        return found
 
     def cold_memory(self) -> LookaheadMemory:
         """A memory of no earlier call (no text, no acceptance) that knows this hardware's t(n) from the profile:
