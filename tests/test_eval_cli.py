@@ -51,14 +51,15 @@ def test_harness_measurements(models):
 
 
 
-def test_chain_and_tree_modes(models, monkeypatch):
+def test_chain_and_tree_modes(models, monkeypatch, tmp_path):
     """specdec_chain never verifies a tree, specdec_tree does; both exact. The clock charges flat target forwards
-    and a cheap draft (tests/clock.py), where drafting pays."""
+    and a cheap draft (tests/clock.py), where drafting pays; an empty profile cache, so that no profile an earlier
+    test measured seeds the memories with the tiny models' real costs."""
     target, draft, tok = models
     clock = VirtualClock(monkeypatch)
     clock.charge(monkeypatch, target, lambda n: 1.0, name="target")
     clock.charge(monkeypatch, draft, lambda n: 0.01, name="draft")
-    with Harness(target, tok, draft, Settings(max_new_tokens=16)) as harness:
+    with Harness(target, tok, draft, Settings(max_new_tokens=16), profile_cache_dir=tmp_path) as harness:
         ids = harness.encode("def add(a, b):\n").input_ids
         plain = harness.generate_row("plain", ids, seed=0)["output_ids"]
         chain = harness.generate_row("specdec_chain", ids, seed=0)
