@@ -245,7 +245,6 @@ def test_draft_load_failure_is_shown_in_the_panes_that_need_it(monkeypatch):
     assert "broken-draft: no such model" in html["assisted"]
 
 
-
 def test_the_target_dtype_is_chosen_with_the_draft_profiled(monkeypatch):
     """dtype "auto": the demo loads the target and the "auto" draft with one profile of the pair, as load_pair
     does, so the target's dtype is priced with the draft's step (not as if there were no draft); an explicit
@@ -268,6 +267,7 @@ def test_the_target_dtype_is_chosen_with_the_draft_profiled(monkeypatch):
     cache.get("none")
     assert profiled == [("t", "d")]
     assert loads == [("t", None, pair_profile), ("d", "auto", pair_profile), ("d", None, None)]
+
 
 def test_leaving_mid_run_stops_generate(tiny_cache):
     loaded = tiny_cache.get("none")

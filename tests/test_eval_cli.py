@@ -50,7 +50,6 @@ def test_harness_measurements(models):
             assert spec["spec"]["new_tokens"] == spec["new_tokens"] and spec["round_log"], mode
 
 
-
 def test_chain_and_tree_modes(models, monkeypatch, tmp_path):
     """specdec_chain never verifies a tree, specdec_tree does; both exact. The clock charges flat target forwards
     and a cheap draft (tests/clock.py), where drafting pays; an empty profile cache, so that no profile an earlier
@@ -71,6 +70,7 @@ def test_chain_and_tree_modes(models, monkeypatch, tmp_path):
     second_choice = (SourceKind.DRAFT, 1)
     assert second_choice in harness.spec_memory("specdec_tree").estimates(draft).acceptance
     assert second_choice not in harness.spec_memory("specdec_chain").estimates(draft).acceptance
+
 
 def test_fixed_k_modes_fix_k_on_the_draft(models):
     """transformers reads the fixed k (and the confidence stop that would make k variable) from the draft's

@@ -111,8 +111,7 @@ def test_profile_round_trips_and_feeds_the_cost_model():
 
 def _fake_measurer(calls, slow=()):
     """Formats cost bf16 0.2 s, fp32-packed 0.25 s, fp32 0.3 s, others 0.1 s a step (``slow`` ones 1.0 s); 8-bit
-    is unavailable. Like
-    ``measure_format`` it stops at a probe of t(1) when that is over ``slower_than``."""
+    is unavailable. Like ``measure_format`` it stops at a probe of t(1) when that is over ``slower_than``."""
     def measure(config, role, fmt, device, weights=None, slower_than=None):
         calls.append((role, fmt))
         if slower_than is not None and fmt in slow and 1.0 > slower_than:
