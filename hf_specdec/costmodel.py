@@ -61,11 +61,16 @@ class ForwardCost:
     ``extrapolate``, continues the slope of the two largest measured sizes.
 
     Points seeded from a hardware profile (``from_table(..., prior=True)``) are priors: the first measurement at a
-    seeded size replaces the seed instead of averaging with it (a profile measured on proxies, another cache length
-    or a quieter machine can be off by a third), and ``measured_only`` is the curve of what was measured here. A
-    first measurement ``COLD`` times its seed is the one-time cold start of a new shape's kernels (on CPUs, the
-    first forward over a new number of inputs can cost several warm ones) and is not learned; the seed then
-    stands until the next measurement, which replaces it.
+    seeded size replaces the seed instead of averaging with it, and ``measured_only`` is the curve of what was
+    measured here. A profile measured on proxies, at another cache length or on a quieter machine can be off by
+    a third in level while its shape (how t grows with n) holds better, so a size still priced by its seed is
+    priced at the level measured here: its seed times the median of measured / seed over the seeded sizes
+    measured at or below it (over every measured seeded size when none is below; the seed itself before any).
+    Where a seed was off at one size only, the others come out too low: an error the round that tries such a
+    size corrects, where a size priced too high is never tried. A first measurement ``COLD`` times its seed is
+    the one-time cold start of a new shape's kernels (on CPUs, the first forward over a new number of inputs can
+    cost several warm ones) and is not learned; the seed then stands until the next measurement, which replaces
+    it.
 
     t(1) stands on its own: a one-token forward runs matrix-vector products, which can cost more than a product
     over a few rows (measured on an AMD EPYC CPU in bf16, oneDNN: 0.22 s for one token, 0.19 s for two, 0.21 s
@@ -85,16 +90,23 @@ class ForwardCost:
     >>> seeded = ForwardCost.from_table({1: 0.30, 4: 0.14, 8: 0.21}, prior=True)  # a profile's t(1) that was off
     >>> seeded.observe(1, 0.14); seeded.observe(4, 0.15)
     >>> seeded.estimate(1), seeded.estimate(8), seeded.seeded(8), seeded.measured_only().estimate(8)
-    (0.14, 0.21, True, 0.15)
-    >>> seeded.observe(8, 0.9); seeded.estimate(8), seeded.cold  # a cold start: the seed stands
-    (0.21, 1)
+    (0.14, 0.1615, True, 0.15)
+    >>> seeded.observe(8, 0.9); seeded.estimate(8), seeded.cold  # a cold start: the (scaled) seed stands
+    (0.1615, 1)
     >>> seeded.observe(8, 0.2); seeded.estimate(8)  # the next measurement replaces it
     0.2
+    >>> level = ForwardCost.from_table({1: 0.5, 4: 0.6, 8: 0.8, 16: 1.2}, prior=True)  # a proxy's level
+    >>> level.observe(1, 0.4)  # the model measured here is 0.8 times as slow: so is every size still seeded
+    >>> level.estimate(4), level.estimate(8), level.estimate(16)
+    (0.48, 0.64, 0.96)
+    >>> level.observe(8, 0.72); level.estimate(16)  # median of 0.8 and 0.9 at or below 16
+    1.02
     """
 
     def __init__(self) -> None:
         self._by_size: dict[int, Ema] = {}
         self._prior: set[int] = set()  # sizes whose value is still a seed, not measured here
+        self._seeds: dict[int, float] = {}  # every seed, kept after its size is measured (its level against ours)
         self._curve: tuple[list[int], dict[int, float]] | None = None  # (sizes, bounded), until the next observe
         self._measured: ForwardCost | None = None  # measured_only(), until the next observe
         self.cold = 0  # first measurements not learned as cold starts
@@ -108,6 +120,7 @@ class ForwardCost:
             cost.observe(int(n), float(seconds))
         if prior:
             cost._prior = set(cost._by_size)
+            cost._seeds = {n: ema.value for n, ema in cost._by_size.items()}
         return cost
 
     COLD = 3.0  # a first measurement this many times its seed is a one-time cold start, not the size's cost
@@ -147,8 +160,18 @@ class ForwardCost:
         return max(self._by_size, default=0)
 
     def table(self) -> dict[int, float]:
-        """The averaged measurement at each measured size."""
-        return {n: ema.value for n, ema in sorted(self._by_size.items())}
+        """The averaged measurement at each measured size, and each size still seeded at the level measured here."""
+        return {n: self._value(n) for n in sorted(self._by_size)}
+
+    def _value(self, n: int) -> float:
+        """The averaged measurement at size ``n``; a seed, scaled by measured / seed of the seeded sizes measured
+        here (class docstring)."""
+        value = self._by_size[n].value
+        if n not in self._prior:
+            return value
+        ratios = {m: self._by_size[m].value / seed for m, seed in self._seeds.items() if m not in self._prior}
+        below = [ratio for m, ratio in ratios.items() if m <= n] or list(ratios.values())
+        return round(value * statistics.median(below), 12) if below else value
 
     def estimate(self, n: int, extrapolate: bool = False) -> float | None:
         """Seconds for a forward over n new tokens; None before anything was measured."""
@@ -175,7 +198,7 @@ class ForwardCost:
             sizes = sorted(self._by_size)
             bounded, running = {}, float("inf")
             for m in reversed(sizes):
-                running = min(running, self._by_size[m].value) if m >= 2 else self._by_size[m].value
+                running = min(running, self._value(m)) if m >= 2 else self._value(m)
                 bounded[m] = running
             self._curve = (sizes, bounded)
         return self._curve
@@ -226,8 +249,8 @@ class ForwardPrice:
     >>> cost = ForwardCost.from_table({1: 0.10, 4: 0.20, 8: 0.30, 16: 0.34}, prior=True)  # a profile's seeds
     >>> cost.observe(1, 0.10); cost.observe(4, 0.11)  # measured here: t(4) is one step, not two
     >>> price = ForwardPrice(cost)
-    >>> price(4), price(8), price(8, Bound.WORST)  # t(8) is the seed's: nothing has paid for trying it
-    (0.11, 0.3, 0.3)
+    >>> price(4), price(8), price(8, Bound.WORST)  # t(8) is the seed's (at the level measured): nothing paid for it
+    (0.11, 0.2325, 0.2325)
     >>> ForwardPrice(cost, allowance=0.5)(8)  # credit covers what trying it could lose: priced as measured
     0.11
     >>> ForwardPrice(cost, t_draft=0.02).round(3)  # 3 draft steps and a forward over 4 inputs
@@ -343,16 +366,29 @@ class ReadCost:
 class DecayedAcceptance:
     """P(a guess in slot i is accepted | it was judged), from decayed counts with a Beta prior.
 
-    A slot is a position along a candidate (1 = its first token), or a confidence bin. The estimate is
-    ``(kept[i] + weight * prior) / (judged[i] + weight)``: with nothing seen it is the prior, and ``weight``
-    says how many observations the prior is worth. Each ``observe`` first multiplies every count by ``decay``
-    (old rounds fade), then adds one observation. A candidate is judged at every position up to its first
-    rejection: its accepted prefix plus the first miss (positions after a miss were never judged).
+    A slot is a position along a candidate (1 = its first token), or a confidence bin. The estimate of slot i
+    is ``(kept[i] + weight * centre) / (judged[i] + weight)``: ``weight`` says how many observations the prior
+    is worth, and its centre is ``prior`` for slot 1 and, deeper, the larger of ``prior`` and the estimate of
+    slot i - 1. A depth is judged only when every depth before it was kept, so the deep slots see the fewest
+    rounds; and a guess that has held so far is not less likely to hold at the next token (a copy goes on, a
+    draft that agreed keeps agreeing about as often). Centred on the prior alone, a copy kept in full at depths
+    1..5 priced depth 6 at that prior, so rounds stopped at depth 5 and depth 6 was never judged: ignorance
+    that blocked its own correction. A first token that is seldom kept says little about the next one given
+    it was, so the prior stays the floor. With nothing seen every slot is the prior. Each ``observe`` first
+    multiplies every count by ``decay`` (old rounds fade), then adds one observation. A candidate is judged at
+    every position up to its first rejection: its accepted prefix plus the first miss (positions after a miss
+    were never judged). A confidence bin is no depth: ``rate(bin, prior=...)`` centres that bin on the prior
+    given.
 
     >>> rates = DecayedAcceptance(prior=0.5, slots=4)
     >>> rates.observe(judged=3, accepted=2)
     >>> [round(rates.rate(i), 2) for i in (1, 2, 3, 4)]
-    [0.67, 0.67, 0.33, 0.5]
+    [0.67, 0.78, 0.52, 0.52]
+    >>> copy = DecayedAcceptance(prior=0.45, slots=8)  # a lookup whose 5-token copies were mostly kept in full
+    >>> for _ in range(8): copy.observe(judged=5, accepted=5)
+    >>> copy.observe(judged=1, accepted=0); copy.observe(judged=3, accepted=2)
+    >>> [round(rate, 2) for rate in copy.rates(7)]  # depths 6 and 7, never judged: as depth 5, not 0.45
+    [0.83, 0.97, 0.9, 0.98, 1.0, 1.0, 1.0]
     >>> calibration = DecayedAcceptance(prior=0.0, slots=10)  # per confidence bin, prior given per lookup
     >>> calibration.observe_slots([(9, True)]); round(calibration.rate(9, prior=0.95), 3)
     0.967
@@ -366,14 +402,20 @@ class DecayedAcceptance:
         self.kept = [0.0] * slots
 
     def rate(self, slot: int, prior: float | None = None) -> float:
-        """The estimate for ``slot`` (1-based; slots past the last share the last), with an optional prior."""
+        """The estimate for ``slot`` (1-based; slots past the last share the last); with ``prior``, centred on it
+        alone (a confidence bin's)."""
+        if prior is None:
+            return self.rates(slot)[-1]
         i = min(slot, len(self.judged)) - 1
-        centre = self.prior if prior is None else prior
-        return (self.kept[i] + self.weight * centre) / (self.judged[i] + self.weight)
+        return (self.kept[i] + self.weight * prior) / (self.judged[i] + self.weight)
 
     def rates(self, count: int) -> list[float]:
-        """``rate(1) .. rate(count)``."""
-        return [self.rate(i) for i in range(1, count + 1)]
+        """``rate(1) .. rate(count)``, each centred on the larger of the prior and the one before."""
+        found, centre = [], self.prior
+        for i in range(min(count, len(self.judged))):
+            found.append((self.kept[i] + self.weight * centre) / (self.judged[i] + self.weight))
+            centre = max(self.prior, found[-1])
+        return found + found[-1:] * (count - len(found))
 
     def observe(self, judged: int, accepted: int) -> None:
         """One candidate: positions 1..judged were judged, 1..accepted kept."""

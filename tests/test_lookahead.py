@@ -240,6 +240,49 @@ def test_depth_acceptance_learns_per_depth():
         rates.observe(judged=3, accepted=2)  # the first two tokens accepted, the third rejected
     assert rates.rate(1) > 0.9 and rates.rate(2) > 0.9 and rates.rate(3) < 0.1
     assert rates.rate(4) == pytest.approx(0.3) and rates.rate(99) == rates.rate(4)  # never judged: the prior
+    assert DecayedAcceptance(prior=0.3, slots=4).rates(6) == [0.3] * 6  # nothing seen: the prior at every depth
+
+
+def _lookahead_planner(estimates: Estimates) -> Planner:
+    estimates.regret.plain_seconds = 1000.0  # the regret budget is not what is tested
+    return Planner.lookahead(LookaheadConfig(window=1), estimates)
+
+
+def _trie_depth(planner: Planner, key, length: int) -> int:
+    offer = Offer(candidates=(Candidate(tuple(range(100, 100 + length)), key),))
+    plan = planner.plan([RowView(0, torch.arange(10), 32)], [offer])[0]
+    return max((len(c.tokens) for c in plan.candidates), default=0)
+
+
+def test_a_depth_never_judged_is_priced_as_the_depth_before_it():
+    """Copies kept in full at depths 1..5 make a 12-token copy's depths 6..12 as likely: the round verifies it.
+    Priced at the source's prior (0.45), depth 6 was never worth its inputs, so rounds stayed at depth 5 and
+    depth 6 was never judged: the estimate could not correct itself."""
+    estimates = Estimates()
+    planner = _lookahead_planner(estimates)
+    for n, seconds in [(1, 0.49), (6, 0.62), (8, 0.72), (12, 0.95), (16, 1.2)]:
+        estimates.forward.observe(n, seconds)
+    key = (SourceKind.HISTORY, 2)
+    for _ in range(20):
+        planner.learned(key).observe(judged=5, accepted=5)
+    assert planner.acceptance(key).rate(6) > 0.95
+    assert _trie_depth(planner, key, 12) == 12
+
+
+def test_sizes_still_seeded_are_priced_at_the_level_measured_here():
+    """A proxy profile 30% above this model's t(1) and t(2) (and noisy at 3-4 inputs) priced a 6-input round at
+    its seed, 0.66 s against 0.50 at the measured level; scaled, the round verifies the whole 8-token copy."""
+    profile = {1: 0.57, 2: 0.54, 3: 0.78, 4: 0.75, 6: 0.66, 8: 0.79, 12: 1.04, 16: 1.25}
+    estimates = Estimates(forward=ForwardCost.from_table(profile, prior=True))
+    planner = Planner.lookahead(LookaheadConfig(window=1), estimates)  # no credit: seeds priced as they stand
+    estimates.forward.observe(1, 0.41)
+    estimates.forward.observe(2, 0.43)
+    assert planner.price()(6) == pytest.approx(0.66 * (0.41 / 0.57 + 0.43 / 0.54) / 2)
+    key = (SourceKind.HISTORY, 2)
+    for _ in range(20):
+        planner.learned(key).observe(judged=3, accepted=2)  # the third token is where copies miss
+        planner.learned(key).observe(judged=8, accepted=8)
+    assert _trie_depth(planner, key, 8) == 8
 
 
 def test_alternative_continuations_are_learned_apart_from_the_first():

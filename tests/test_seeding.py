@@ -173,12 +173,15 @@ def test_a_memory_is_seeded_once_and_a_memory_that_holds_estimates_never(cache, 
     model, draft, _ = pair(monkeypatch)
     write_profile(model, draft, cache)
     reads = count_profile_reads(monkeypatch)
-    # given costs: the profile is never read, the given seeds stand until measured
-    model.speculative_memory.seed(draft, forward_seconds={n: 0.3 for n in (1, 2, 4, 8, 64)}, draft_step_seconds=0.01)
+    # given costs: the profile is never read, the given seeds stand until measured (at the level measured here)
+    given = {1: 0.3, 2: 0.3, 4: 0.3, 8: 0.3, 64: 0.9}
+    model.speculative_memory.seed(draft, forward_seconds=given, draft_step_seconds=0.01)
     model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False)
     assert reads == [] and model.last_spec_stats.estimates_from is EstimatesFrom.GIVEN_COSTS
     forward = model.speculative_memory.estimates(draft).forward
-    assert forward.seeded(64) and forward.estimate(64) == pytest.approx(0.3)  # not the profile's 0.1
+    assert forward.measured(1) and not forward.seeded(1) and forward.estimate(1) == pytest.approx(T_TARGET)
+    # t(64) = 3 t(1) as given, at the measured level (the profile's t(n) is flat)
+    assert forward.seeded(64) and forward.estimate(64) == pytest.approx(3 * T_TARGET)
     # a fresh memory: read once on its first call, never on the next
     model.speculative_memory = SpeculativeMemory()
     for _ in range(2):

@@ -371,7 +371,8 @@ def test_siblings_that_are_never_kept_turn_trees_back_into_chains():
     """Tree rounds whose later choices the target never keeps (the first choices always): the acceptance of ranks
     1-3 falls at every depth, and the planner goes back to chains, although an extra input costs only 1% of a
     forward."""
-    policy = planner(lambda n: 0.10 * (1 + 0.01 * (n - 1)))
+    cost = lambda n: 0.10 * (1 + 0.01 * (n - 1))  # noqa: E731
+    policy = planner(cost)
     first = plan(policy)
     assert first.tree is not None and first.tree.branches
     chosen = first
@@ -391,7 +392,8 @@ def test_siblings_that_are_never_kept_turn_trees_back_into_chains():
                             draft_time=0.01 * chosen.tree.depth, draft_forwards=chosen.tree.depth)
         policy.observe([RoundOutcome(proposal, accepted=tuple(chain_nodes), next_token=0,
                                      emitted=(0,) * (len(chain_nodes) + 1), start_length=10,
-                                     forward_tokens=1 + len(tokens), verify_time=0.1, plan=chosen)])
+                                     forward_tokens=1 + len(tokens), verify_time=cost(1 + len(tokens)),
+                                     plan=chosen)])
         chosen = plan(policy)
     assert chosen.tree is None and chosen.model_tokens > 0
     # learned below the prior (0.15), where a sibling stops paying for its input
