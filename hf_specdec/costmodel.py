@@ -96,7 +96,7 @@ class ForwardCost:
     >>> seeded.observe(8, 0.2); seeded.estimate(8)  # the next measurement replaces it
     0.2
     >>> level = ForwardCost.from_table({1: 0.5, 4: 0.6, 8: 0.8, 16: 1.2}, prior=True)  # a proxy's level
-    >>> level.observe(1, 0.4)  # the model measured here is 0.8 times as slow: so is every size still seeded
+    >>> level.observe(1, 0.4)  # t(1) measured at 0.8 times its seed: every size still seeded is priced so
     >>> level.estimate(4), level.estimate(8), level.estimate(16)
     (0.48, 0.64, 0.96)
     >>> level.observe(8, 0.72); level.estimate(16)  # median of 0.8 and 0.9 at or below 16
@@ -169,7 +169,8 @@ class ForwardCost:
         value = self._by_size[n].value
         if n not in self._prior:
             return value
-        ratios = {m: self._by_size[m].value / seed for m, seed in self._seeds.items() if m not in self._prior}
+        ratios = {m: self._by_size[m].value / seed for m, seed in self._seeds.items()
+                  if m not in self._prior and seed > 0}
         below = [ratio for m, ratio in ratios.items() if m <= n] or list(ratios.values())
         return round(value * statistics.median(below), 12) if below else value
 
@@ -405,7 +406,7 @@ class DecayedAcceptance:
         """The estimate for ``slot`` (1-based; slots past the last share the last); with ``prior``, centred on it
         alone (a confidence bin's)."""
         if prior is None:
-            return self.rates(slot)[-1]
+            return self.rates(max(1, slot))[-1]
         i = min(slot, len(self.judged)) - 1
         return (self.kept[i] + self.weight * prior) / (self.judged[i] + self.weight)
 
