@@ -101,8 +101,8 @@ def drafting_head(model):
     if not SubVocabHead.usable(model):
         return None
     rows = int(model.get_output_embeddings().weight.shape[0])
-    width = auto_draft_vocab_size(rows)
-    if width is None or width >= rows:
+    width = auto_draft_vocab_size(rows)  # below rows whenever it is not None
+    if width is None:
         return None
     return SubVocabHead(model, torch.arange(width, device=model.get_output_embeddings().weight.device), rows)
 
