@@ -27,7 +27,7 @@ a real first call. Modes, interleaved per prompt (the order rotated by one each 
   before this mode's first prompt, then by every prompt in turn (case b). The short call is timed and reported
   apart; it is not in the mode's totals.
 - ``fresh_old`` / ``after_short_old`` (``--old COMMIT``): the same two from an older commit, exported with
-  ``git archive`` and imported as ``hf_specdec_old`` (as ``bench/lookahead_before_after.py``), over the same
+  ``git archive`` and imported as ``hf_specdec_old`` (as ``bench/before_after.py``), over the same
   model objects, in the same interleaved run.
 
 ``--repeat N`` runs every mode N times a prompt, the order rotated once more each time, and sums the times: on

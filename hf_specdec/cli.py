@@ -72,6 +72,7 @@ def _demo(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from hf_specdec import distill
+    from hf_specdec.config import PolicyKind
     from hf_specdec.harness import MODES
     from hf_specdec.models import cli as models_cli
 
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", default="speculative", choices=[*GENERATE_MODES, *(m for m in MODES if m not in
                                                                                  GENERATE_MODES)],
                      help="speculative (hf_specdec with --policy), lookahead, plain, or any eval harness mode")
-    gen.add_argument("--policy", default="adaptive", choices=["adaptive", "fixed", "heuristic"])
+    gen.add_argument("--policy", default=PolicyKind.ADAPTIVE.value, choices=[kind.value for kind in PolicyKind],
+                     help="how speculative mode sizes the draft (SpecConfig.policy)")
     gen.add_argument("--dtype", default="auto", help="target dtype: auto (measured choice), bf16, fp16, fp32")
     gen.add_argument("--profile", default=None, metavar="FILE",
                      help="hardware profile JSON (hf-specdec tune --json) for the auto choices, instead of the cached "

@@ -12,7 +12,6 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-POLICIES = ("adaptive", "fixed", "heuristic")
 Auto = Literal["auto"]
 AUTO_DRAFT_VOCAB = 32768  # draft_vocab_size "auto": the draft's output layer over this many ids ...
 NARROW_ABOVE = 65536  # ... where the vocabulary is larger than this
@@ -34,6 +33,19 @@ class TreeMode(enum.StrEnum):
     AUTO = "auto"  # a tree where the planner expects it to emit more tokens per second than the chain
     ON = "on"  # a tree in every round that drafts (one that branches), whatever the costs say
     OFF = "off"  # a chain, as before trees
+
+
+class PolicyKind(enum.StrEnum):
+    """How a draft model's k is chosen (``SpecConfig.policy``; ``policy.make_policy`` builds it). A member equals
+    and formats as its value, so ``policy="fixed"`` and ``PolicyKind.FIXED`` are the same setting.
+
+    >>> PolicyKind("fixed") is PolicyKind.FIXED, PolicyKind.FIXED == "fixed", f"specdec_{PolicyKind.FIXED}"
+    (True, True, 'specdec_fixed')
+    """
+
+    ADAPTIVE = "adaptive"  # the planner: k from measured costs and acceptance, speculation off where it does not pay
+    FIXED = "fixed"  # always num_draft_tokens
+    HEURISTIC = "heuristic"  # transformers' rule (+2 after a fully kept round, -1 otherwise), a reference
 
 
 def _fail(cls_name: str, field: str, got: Any, allowed: str) -> None:
@@ -120,7 +132,7 @@ class SpecConfig(_FromDict):
         draft steps with the same head); ``None``: off.
     """
 
-    policy: Literal["adaptive", "fixed", "heuristic"] = "adaptive"
+    policy: PolicyKind | Literal["adaptive", "fixed", "heuristic"] = "adaptive"  # a PolicyKind or its value
     num_draft_tokens: int = 4
     max_draft_tokens: int = 16
     confidence_stop: bool = True
@@ -134,8 +146,8 @@ class SpecConfig(_FromDict):
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        if self.policy not in POLICIES:
-            _fail(name, "policy", self.policy, f"choose one of {list(POLICIES)}")
+        if self.policy not in tuple(PolicyKind):
+            _fail(name, "policy", self.policy, f"choose one of {[kind.value for kind in PolicyKind]}")
         _check_int(name, "max_draft_tokens", self.max_draft_tokens, 1, 64)
         _check_int(name, "num_draft_tokens", self.num_draft_tokens, 1, self.max_draft_tokens)
         if not isinstance(self.confidence_stop, bool):
@@ -148,7 +160,7 @@ class SpecConfig(_FromDict):
             _fail(name, "history_lookup", self.history_lookup, "use True or False")
         if self.tree not in tuple(TreeMode):
             _fail(name, "tree", self.tree, f"choose one of {[mode.value for mode in TreeMode]}")
-        if self.tree == TreeMode.ON and self.policy != "adaptive":
+        if self.tree == TreeMode.ON and self.policy != PolicyKind.ADAPTIVE:
             _fail(name, "tree", self.tree, f"a tree is sized by the adaptive policy; use policy='adaptive' with "
                                            f"tree='on', or tree='off' with policy={self.policy!r}")
         if self.draft_vocab_size not in ("auto", None):

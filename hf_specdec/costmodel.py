@@ -12,7 +12,8 @@ two kinds of numbers, both measured on the machine it runs on and never assumed:
   source of guesses (the draft model, prompt lookup, the lookahead pool, ...), decayed counts with a Beta prior.
 
 ``Estimates`` holds one set of them: per call, or carried across calls (``LookaheadMemory``, and one per draft
-model after ``enable()``). ``expected_tokens`` and ``best_count`` are the arithmetic every policy shares;
+model after ``enable()``). ``expected_tokens`` and ``best_count`` are the arithmetic every policy shares
+(``run_length_tokens`` the same from teacher-forced agreement: ``hf-specdec check``, ``distill``);
 ``Regret`` caps what probing may lose against plain decoding. ``forward_times`` is the one offline measurement of
 t(n) (``hf-specdec check``, the eval harness, the hardware profile).
 
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
+
+from .round import SourceKind
 
 
 class Ema:
@@ -95,6 +98,9 @@ class ForwardCost:
     (0.1615, 1)
     >>> seeded.observe(8, 0.2); seeded.estimate(8)  # the next measurement replaces it
     0.2
+    >>> wrong = ForwardCost.from_table({1: 0.1, 8: 0.1}, prior=True)  # a seed a third of the real cost or less
+    >>> wrong.observe(8, 0.5); wrong.observe(8, 0.5); wrong.estimate(8), wrong.cold  # set aside once, then learned
+    (0.5, 1)
     >>> level = ForwardCost.from_table({1: 0.5, 4: 0.6, 8: 0.8, 16: 1.2}, prior=True)  # a proxy's level
     >>> level.observe(1, 0.4)  # t(1) measured at 0.8 times its seed: every size still seeded is priced so
     >>> level.estimate(4), level.estimate(8), level.estimate(16)
@@ -109,6 +115,7 @@ class ForwardCost:
         self._seeds: dict[int, float] = {}  # every seed, kept after its size is measured (its level against ours)
         self._curve: tuple[list[int], dict[int, float]] | None = None  # (sizes, bounded), until the next observe
         self._measured: ForwardCost | None = None  # measured_only(), until the next observe
+        self._cold_sizes: set[int] = set()  # sizes whose first measurement was set aside as a cold start
         self.cold = 0  # first measurements not learned as cold starts
 
     @classmethod
@@ -127,10 +134,12 @@ class ForwardCost:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Learn one timing, unless it is a first measurement at a seeded size more than ``COLD`` times its seed:
-        a one-time cold start of that shape's kernels, counted in ``cold`` and not learned (the next one is)."""
+        a one-time cold start of that shape's kernels, counted in ``cold`` and not learned. One sample per size at
+        most is set aside so: the next one is learned whatever it says (a seed that was wrong is corrected)."""
         n = int(num_tokens)
         if n in self._prior:  # the first measurement here replaces the seed
-            if seconds > self.COLD * self._by_size[n].value:
+            if n not in self._cold_sizes and seconds > self.COLD * self._by_size[n].value:
+                self._cold_sizes.add(n)
                 self.cold += 1
                 return
             self._prior.discard(n)
@@ -304,7 +313,9 @@ class ReadCost:
 
     A first read in a process pays one-time costs (kernel set-up, weight packing) that no later read pays: a
     sample more than ``COLD`` times the share expected is such a cold start, counted in ``cold`` and not learned,
-    so one slow first read cannot price every later prompt out of drafting. Learned shares are an average that the
+    so one slow first read cannot price every later prompt out of drafting. One sample at most is set aside so:
+    a read that is slow again is the read's real cost, and is learned (a prior that was too low is corrected, so
+    a read cannot stay priced below what it costs). Learned shares are an average that the
     next sample moves, never a verdict: a call whose read was not repaid does not sample again, so each such call
     (``relax``) moves a share above its prior halfway back towards it, and a later call reads and measures again.
 
@@ -317,6 +328,9 @@ class ReadCost:
     (True, 1.0)
     >>> read.relax(); read.estimate(2.0)  # a call that did not read: halfway back to the prior's 0.6
     0.8
+    >>> slow = ReadCost(prior=0.3)  # a prior far below what this draft's reads cost
+    >>> slow.observe(4.0, 1.0), slow.observe(4.0, 1.0), slow.share()  # set aside once, then learned
+    (False, True, 4.0)
     """
 
     COLD = 3.0  # a read this many times the expected share is a cold start
@@ -345,7 +359,7 @@ class ReadCost:
         if target_seconds <= 0.0:
             return False
         sample, share = draft_seconds / target_seconds, self.share()
-        if share is not None and sample > self.COLD * share:
+        if share is not None and self.cold == 0 and sample > self.COLD * share:
             self.cold += 1
             return False
         self.ratio.update(sample)
@@ -362,6 +376,16 @@ class ReadCost:
         prior halfway back, so a later call measures again."""
         if self.ratio.value is not None and self.prior is not None and self.ratio.value > self.prior:
             self.ratio.value = round(0.5 * (self.ratio.value + self.prior), 12)
+
+
+def beta_rate(kept: float, judged: float, centre: float, weight: float) -> float:
+    """The mean of a Beta posterior: ``kept`` of ``judged`` observed, a prior centred on ``centre`` worth
+    ``weight`` observations.
+
+    >>> beta_rate(3, 4, 0.5, 2.0)  # (3 + 1) / (4 + 2)
+    0.6666666666666666
+    """
+    return (kept + weight * centre) / (judged + weight)
 
 
 class DecayedAcceptance:
@@ -408,13 +432,13 @@ class DecayedAcceptance:
         if prior is None:
             return self.rates(max(1, slot))[-1]
         i = min(slot, len(self.judged)) - 1
-        return (self.kept[i] + self.weight * prior) / (self.judged[i] + self.weight)
+        return beta_rate(self.kept[i], self.judged[i], prior, self.weight)
 
     def rates(self, count: int) -> list[float]:
         """``rate(1) .. rate(count)``, each centred on the larger of the prior and the one before."""
         found, centre = [], self.prior
         for i in range(min(count, len(self.judged))):
-            found.append((self.kept[i] + self.weight * centre) / (self.judged[i] + self.weight))
+            found.append(beta_rate(self.kept[i], self.judged[i], centre, self.weight))
             centre = max(self.prior, found[-1])
         return found + found[-1:] * (count - len(found))
 
@@ -457,6 +481,37 @@ def expected_tokens(gains: Sequence[float], base: float = 1.0) -> float:
     1.75
     """
     return base + sum(gains)
+
+
+def agreement_runs(matches: Sequence[bool]) -> list[int]:
+    """For each position of a teacher-forced continuation, how many positions from there on the draft's argmax
+    agrees with the target's token: a greedy chain drafted there is accepted that far.
+
+    >>> agreement_runs([True, True, False, True])
+    [2, 1, 0, 1]
+    """
+    run, runs = 0, [0] * len(matches)
+    for i in range(len(matches) - 1, -1, -1):
+        run = run + 1 if matches[i] else 0
+        runs[i] = run
+    return runs
+
+
+def runs_that_fit(runs: Sequence[Sequence[int]], k: int) -> list[int]:
+    """The runs at the positions where a round of ``k`` drafts fits in its continuation (every position when
+    none does)."""
+    return [r[i] for r in runs for i in range(len(r) - k + 1)] or [x for r in runs for x in r]
+
+
+def run_length_tokens(runs: Sequence[Sequence[int]], k: int) -> float:
+    """Mean tokens per round of greedy speculative decoding with ``k`` drafts, from measured agreement runs
+    (``agreement_runs`` per continuation): 1 + the mean of min(run, k) where a k-round fits.
+
+    >>> run_length_tokens([agreement_runs([True, True, False, True])], 2)  # rounds fit at the first three
+    2.0
+    """
+    fits = runs_that_fit(runs, k)
+    return 1.0 + sum(min(r, k) for r in fits) / len(fits) if fits else 1.0
 
 
 def best_count(gains: Sequence[float], seconds: Callable[[int], float | None], limit: int | None = None,
@@ -589,11 +644,11 @@ class Estimates:
     draft_rows: ForwardCost = field(default_factory=ForwardCost)
     draft_read: ReadCost = field(default_factory=ReadCost)
     regret: Regret = field(default_factory=Regret)
-    acceptance: dict[tuple[str, int], DecayedAcceptance] = field(default_factory=dict)
+    acceptance: dict[tuple[SourceKind, int], DecayedAcceptance] = field(default_factory=dict)
     calibration: DecayedAcceptance | None = None
     emas: dict[str, Ema] = field(default_factory=dict)
 
-    def source(self, key: tuple[str, int], prior: float, weight: float = 2.0, decay: float = 1.0,
+    def source(self, key: tuple[SourceKind, int], prior: float, weight: float = 2.0, decay: float = 1.0,
                slots: int = 32) -> DecayedAcceptance:
         """The estimator of one source of guesses, made with this prior on first use."""
         found = self.acceptance.get(key)

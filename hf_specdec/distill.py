@@ -60,6 +60,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
+from .costmodel import agreement_runs, run_length_tokens
 from .models.hardware import decoder_layers, resolve_device
 from .models.profile import text_config
 
@@ -372,20 +373,13 @@ def distill_loss(student_logits: torch.Tensor,  # [N, V] the drafter's raw logit
 
 
 def expected_tokens(matches: Sequence[Sequence[bool]], k: int) -> float:
-    """Mean tokens per round of greedy speculative decoding with ``k`` drafts, from per-position agreement:
-    1 + mean of min(run, k) over the positions a k-round fits in (``run``: agreeing positions from there on).
+    """Mean tokens per round of greedy speculative decoding with ``k`` drafts, from per-position agreement
+    (``costmodel.run_length_tokens``, as ``hf-specdec check`` computes it).
 
     >>> expected_tokens([[True, True, False, True]], 2)    # runs 2, 1, 0, 1; rounds fit at the first three
     2.0
     """
-    fits = []
-    for row in matches:
-        run, runs = 0, [0] * len(row)
-        for i in range(len(row) - 1, -1, -1):
-            run = run + 1 if row[i] else 0
-            runs[i] = run
-        fits += runs[: max(0, len(row) - k + 1)]
-    return 1.0 + sum(min(r, k) for r in fits) / len(fits) if fits else 1.0
+    return run_length_tokens([agreement_runs(row) for row in matches], k)
 
 
 def batch_indices(step: int, count: int, batch_size: int, seed: int) -> list[int]:

@@ -97,16 +97,17 @@ input, and rounds stay chains, or plain steps. ``tree="on"`` takes the best tree
 from __future__ import annotations
 
 import dataclasses
+import enum
 import heapq
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
-from .config import LookaheadConfig, SpecConfig, TreeMode
-from .costmodel import (Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, best_round,
+from .config import LookaheadConfig, PolicyKind, SpecConfig, TreeMode
+from .costmodel import (Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, best_round, beta_rate,
                         prefix_gains)
 from .layout import merge_candidates
-from .round import (PRIOR_WEIGHT, Candidate, Offer, RoundOutcome, RoundPlan, RowView, SourceKind, TreeShape,
-                    prior_acceptance)
+from .round import (PRIOR_WEIGHT, Candidate, Offer, PlainReason, PlainWhy, RoundOutcome, RoundPlan, RowView,
+                    SourceKind, TreeShape, prior_acceptance)
 
 PLAIN = RoundPlan()
 
@@ -162,8 +163,8 @@ class AdaptiveChainRule:
     """The in-round rules of one adaptive round, over a snapshot of the estimates (see the module docstring).
 
     t_step: the round's price (``ForwardPrice``, ``Bound.EXPECTED``) of a forward over n = 1.. inputs (index
-    n - 1); t_extrapolated: the same at ``Bound.WORST``; bin_kept / bin_judged: the confidence calibration counts;
-    lookup_rates: b_1..b_m.
+    n - 1); t_extrapolated: the same at ``Bound.WORST``; bin_kept / bin_judged / bin_weight: the draft's confidence
+    bins (``DecayedAcceptance``, one slot per bin), as values; lookup_rates: b_1..b_m.
     """
 
     t_draft: float | None
@@ -171,14 +172,16 @@ class AdaptiveChainRule:
     t_extrapolated: tuple[float | None, ...]
     bin_kept: tuple[float, ...]
     bin_judged: tuple[float, ...]
+    bin_weight: float
     lookup_rates: tuple[float, ...]
     confidence_stop: bool
     max_tokens: int
 
     def calibrated(self, confidence: float) -> float:
-        """P(accepted) of a draft token the draft gave probability ``confidence`` (Beta prior weight 2)."""
+        """P(accepted) of a draft token the draft gave probability ``confidence``: its bin's estimate, centred on
+        that probability."""
         b = min(int(confidence * len(self.bin_kept)), len(self.bin_kept) - 1)
-        return (self.bin_kept[b] + 2.0 * confidence) / (self.bin_judged[b] + 2.0)
+        return beta_rate(self.bin_kept[b], self.bin_judged[b], confidence, self.bin_weight)
 
     def _t(self, n: int, extrapolate: bool = False) -> float | None:
         table = self.t_extrapolated if extrapolate else self.t_step
@@ -220,18 +223,30 @@ class AdaptiveChainRule:
         return best_count(gains, seconds, base=emitted)
 
 
-READ_NOT_REPAID = "draft prompt read not repaid"
-NO_ROOM = "no room left: the length limit"  # one token left: the round's own, nothing to guess
+NO_ROOM = PlainWhy(PlainReason.NO_ROOM, "the length limit")  # one token left: the round's own, nothing to guess
+FIRST_STEP = PlainWhy(PlainReason.FIRST_STEP, "the reference of every other size")
+NO_GUESS = PlainWhy(PlainReason.NO_GUESS)
+
+
+class EmaName(enum.StrEnum):
+    """The running averages the planner keeps in ``Estimates.emas`` (carried across calls with the estimates)."""
+
+    POOL_GAIN = "pool_gain"  # tokens only the Jacobi window's pool added to a round's accepted path
+    ROUND_TOKENS = "round_tokens"  # tokens emitted by a round that had ready-made candidates to guess from
 
 
 @dataclass(frozen=True)
 class Decision:
     """What ``AdaptivePolicy`` decided for a round before per-row details: k (0: a plain step), whether it is a
-    probe, and why a plain step was chosen."""
+    probe, and why a plain step was chosen (``plain_why``; ``why`` is its wording)."""
 
     k: int
     probe: bool = False
-    why: str = ""
+    plain_why: PlainWhy | None = None
+
+    @property
+    def why(self) -> str:
+        return "" if self.plain_why is None else str(self.plain_why)
 
 
 class Exploration:
@@ -332,7 +347,7 @@ class PlannerSettings:
                    num_draft_tokens=config.num_draft_tokens, max_draft_tokens=config.max_draft_tokens,
                    confidence_stop=config.confidence_stop, probe_interval=config.probe_interval,
                    setup_margin=config.setup_margin, lookup_tail=config.history_lookup, batch_candidates=False,
-                   tree=TreeMode(config.tree) if config.policy == "adaptive" else TreeMode.OFF)
+                   tree=TreeMode(config.tree) if config.policy == PolicyKind.ADAPTIVE else TreeMode.OFF)
 
     @classmethod
     def lookahead(cls, config: LookaheadConfig) -> "PlannerSettings":
@@ -440,6 +455,7 @@ class Planner:
         return AdaptiveChainRule(
             t_draft=price.t_draft, t_step=price.table(longest), t_extrapolated=price.table(longest, Bound.WORST),
             bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
+            bin_weight=self.calibration.weight,
             lookup_rates=tuple(self.acceptance(LOOKUP).rates(MAX_LOOKUP)) if lookup else (),
             confidence_stop=self._confidence_stop(price.rows), max_tokens=most,
         )
@@ -452,12 +468,11 @@ class Planner:
         spends what the forward has spare."""
         rows = len(views)
         if not self.estimates.forward.measured(rows):  # a plain step first: every other size is compared to it
-            return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates),
-                              why="a plain step first: the reference of every other size")
+            return [RoundPlan(max_tokens=view.budget, offered=bool(offer.candidates), plain_why=FIRST_STEP)
                     for view, offer in zip(views, offers)]
         budgets = [view.budget for view in views]
         if not any(budgets):  # one token left: the round's own token, no room for a guess of any source
-            return [RoundPlan(max_tokens=0, why=NO_ROOM) for _ in views]
+            return [RoundPlan(max_tokens=0, plain_why=NO_ROOM) for _ in views]
         price = self.price(rows)
         model = self.settings.max_draft_tokens > 0 and any(offer.model_tokens for offer in offers)
         decision = self._decide_chain(price, views, offers) if model else Decision(0)
@@ -471,9 +486,8 @@ class Planner:
         if decision.k and not (trie and trie.nodes and self._trie_rate(price, trie) > self._best_draft_rate(price)):
             return self._chain_plans(price, decision, budgets, offers)
         if trie is None:
-            return [RoundPlan(max_tokens=budget, why=decision.why) for budget in budgets]
-        why = decision.why or "no guess worth its cost"
-        return self._trie_plans(price, trie, budgets, offers, why)
+            return [RoundPlan(max_tokens=budget, plain_why=decision.plain_why) for budget in budgets]
+        return self._trie_plans(price, trie, budgets, offers, decision.plain_why or NO_GUESS)
 
     def _candidates(self, rows: int) -> bool:
         """Are ready-made candidates verified in a round of ``rows`` rows?"""
@@ -525,7 +539,7 @@ class Planner:
         'draft prompt read not repaid: 1.00 s to read, ~1.75 s saved over the 64 tokens left'
         """
         if budget <= 0:
-            return Decision(0, why=NO_ROOM)
+            return Decision(0, plain_why=NO_ROOM)
         if price.t_draft is None:
             return Decision(min(self.settings.num_draft_tokens, budget))
         gains = prefix_gains(self.acceptance(DRAFT).rates(budget))
@@ -536,8 +550,8 @@ class Planner:
             saved = self._saved(price, best_k, gains, remaining) if read else 0.0
             if read and saved <= self.settings.setup_margin * read:
                 gain = f"~{saved:.2f} s saved" if saved > 0 else "nothing saved at the worst verify cost"
-                return Decision(0, why=f"{READ_NOT_REPAID}: {read:.2f} s to read, {gain} over the {remaining} "
-                                       f"tokens left")
+                detail = f"{read:.2f} s to read, {gain} over the {remaining} tokens left"
+                return Decision(0, plain_why=PlainWhy(PlainReason.READ_NOT_REPAID, detail))
             # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which
             # sees each token's confidence, decides where it stops
             return Decision(budget if self._confidence_stop(price.rows) else best_k)
@@ -545,8 +559,8 @@ class Planner:
         if self.exploration.due() and one is not None and self.regret.allows(one - step + read):
             probe = 1 + best_count(gains[1:], lambda n: price.round(n + 1), budget - 1, base=1 + gains[0])
             return Decision(probe, probe=True)  # the best round that drafts at all
-        return Decision(0, why=f"drafting does not pay: {self._best_draft_rate(price):.1f} tok/s expected, "
-                               f"{1 / step if step else 0.0:.1f} plain")
+        rates = f"{self._best_draft_rate(price):.1f} tok/s expected, {1 / step if step else 0.0:.1f} plain"
+        return Decision(0, plain_why=PlainWhy(PlainReason.DOES_NOT_PAY, rates))
 
     # -- the draft model's tree -----------------------------------------------------------------------------------
     def tree(self, price: ForwardPrice, depth: int) -> TreeChoice | None:
@@ -664,8 +678,8 @@ class Planner:
         if settings.window != "auto":
             return settings.window, settings.ngram if settings.ngram != "auto" else (3 if settings.window > 1 else 2)
         used, limit = 1 + nodes, self._limit(price)
-        pool_gain = self.estimates.ema_value("pool_gain")
-        round_tokens = self.estimates.ema_value("round_tokens")
+        pool_gain = self.estimates.ema_value(EmaName.POOL_GAIN)
+        round_tokens = self.estimates.ema_value(EmaName.ROUND_TOKENS)
         worth = min(settings.window_tolerance,
                     (settings.prior_pool_gain if pool_gain is None else pool_gain) / (round_tokens or 1.0))
         extra = free_extra_tokens(lambda n: price(n) or 0.0, used, limit - used, worth)
@@ -678,7 +692,7 @@ class Planner:
         return window, ngram
 
     def _trie_plans(self, price: ForwardPrice, trie: TrieChoice, budgets: Sequence[int], offers: Sequence[Offer],
-                    why: str) -> list[RoundPlan]:
+                    why: PlainWhy) -> list[RoundPlan]:
         window, ngram = self._window(price, trie.nodes)
         plans = []
         for budget, offer, kept in zip(budgets, offers, trie.chosen):
@@ -690,7 +704,7 @@ class Planner:
             if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
                 shape = (1, 2)  # the window would run past the position table
             plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape, offered=bool(offer.candidates),
-                                   why="" if kept or shape != (1, 2) else why))
+                                   plain_why=None if kept or shape != (1, 2) else why))
         return plans
 
     # -- learning -----------------------------------------------------------------------------------------------
@@ -710,13 +724,14 @@ class Planner:
         by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
         for outcome in outcomes:
             if outcome.plan.offered:  # tokens per round of the rounds that had something to guess from
-                self.estimates.ema("round_tokens").update(len(outcome.emitted))
+                self.estimates.ema(EmaName.ROUND_TOKENS).update(len(outcome.emitted))
             self._observe_row(outcome, by_source)
         for key, slots in by_source.items():  # counts fade once per candidate judged (one first token each)
             self.learned(key).observe_slots(slots, decays=max(1, sum(position == 1 for position, _ in slots)))
         forwards = max(outcome.proposal.draft_forwards for outcome in outcomes)
         probe = any(outcome.plan.probe for outcome in outcomes)
-        if any(outcome.plan.why.startswith(READ_NOT_REPAID) for outcome in outcomes):
+        if any(outcome.plan.plain_why is not None and outcome.plan.plain_why.kind is PlainReason.READ_NOT_REPAID
+               for outcome in outcomes):
             self.estimates.draft_read.blocked = True
         if forwards:
             self._observe_draft(outcomes, forwards)
@@ -739,7 +754,7 @@ class Planner:
             for depth, node in enumerate(outcome.accepted, start=1):
                 for source in proposal.sources[node]:
                     depth_by[source.kind == SourceKind.POOL] = depth
-            self.estimates.ema("pool_gain").update(max(0, depth_by[True] - depth_by[False]))
+            self.estimates.ema(EmaName.POOL_GAIN).update(max(0, depth_by[True] - depth_by[False]))
 
     def _observe_draft(self, outcomes: Sequence[RoundOutcome], forwards: int) -> None:
         proposals = [outcome.proposal for outcome in outcomes]
@@ -816,9 +831,9 @@ def make_policy(config: SpecConfig | LookaheadConfig, estimates: Estimates | Non
     """The policy a call's config asks for: the planner, or a draft model's fixed or heuristic k."""
     if isinstance(config, LookaheadConfig):
         return Planner.lookahead(config, estimates)
-    if config.policy == "fixed":
+    if config.policy == PolicyKind.FIXED:
         return FixedPolicy(config.num_draft_tokens)
-    if config.policy == "heuristic":
+    if config.policy == PolicyKind.HEURISTIC:
         return HeuristicPolicy(config.num_draft_tokens, config.max_draft_tokens)
     return Planner.speculative(config, estimates)
 

@@ -100,6 +100,33 @@ def prior_acceptance(key: tuple[SourceKind, int]) -> float:
     return table[min(variant, len(table) - 1)]
 
 
+class PlainReason(enum.StrEnum):
+    """Why a planner chose a plain round (``PlainWhy.kind``): the stats count plain rounds by it. Each value is the
+    first words of the wording a user reads ("<kind>: <this round's numbers>")."""
+
+    FIRST_STEP = "a plain step first"  # nothing measured at this batch size yet: t(1), the reference of every size
+    NO_ROOM = "no room left"  # one token left: the round's own, nothing to guess
+    READ_NOT_REPAID = "draft prompt read not repaid"  # the tokens left cannot repay the draft reading the prompts
+    DOES_NOT_PAY = "drafting does not pay"  # the draft's best round is expected slower than a plain step
+    NO_GUESS = "no guess worth its cost"  # nothing offered (or affordable) beats a plain step
+
+
+@dataclass(frozen=True)
+class PlainWhy:
+    """Why a round is plain: its ``kind`` (what the stats count and the policy tests) and this round's ``detail``
+    (its numbers, for people). Its text is the wording users read.
+
+    >>> str(PlainWhy(PlainReason.NO_ROOM, "the length limit")), str(PlainWhy(PlainReason.NO_GUESS))
+    ('no room left: the length limit', 'no guess worth its cost')
+    """
+
+    kind: PlainReason
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}" if self.detail else str(self.kind)
+
+
 class Source(NamedTuple):
     """Where a guess came from, which is what its acceptance is learned by.
 
@@ -201,7 +228,8 @@ class RoundPlan:
     window: (W, N) of the Jacobi window; (1, 2) is no window.
     probe: the round guesses although the estimates say it does not pay, to measure again (a bounded probe).
     offered: the drafter offered ready-made candidates to choose from (chosen or not).
-    why: for a plain round, why the planner chose it (the stats count the reasons; empty otherwise).
+    plain_why: for a plain round, why the planner chose it (``PlainWhy``: the stats count rounds by its kind);
+        None otherwise. ``why`` is its wording ("" when None).
     """
 
     model_tokens: int = 0
@@ -212,7 +240,12 @@ class RoundPlan:
     window: tuple[int, int] = (1, 2)
     probe: bool = False
     offered: bool = False
-    why: str = ""
+    plain_why: PlainWhy | None = None
+
+    @property
+    def why(self) -> str:
+        """Why the round is plain, as users read it ("<kind>: <this round's numbers>"; "" for a round that guesses)."""
+        return "" if self.plain_why is None else str(self.plain_why)
 
     @property
     def is_plain(self) -> bool:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .memory import EstimatesFrom
-from .round import RoundOutcome, SourceKind
+from .round import PlainReason, RoundOutcome, SourceKind
 
 
 @dataclass
@@ -64,8 +64,8 @@ class SpecStats:
     lookup_accepted: int = 0
     fell_back: str | None = None  # why speculation was switched off for the rest of the call (e.g. out of memory)
     guess_cap: int | None = None  # after a round ran out of memory: the most guesses per row from then on
-    plain_reasons: Counter = field(default_factory=Counter)  # why the planner chose plain rounds: kind -> rounds
-    plain_wording: dict[str, str] = field(default_factory=dict)  # each kind's newest full wording
+    plain_reasons: Counter = field(default_factory=Counter)  # why the planner chose plain rounds: PlainReason -> rounds
+    plain_wording: dict[PlainReason, str] = field(default_factory=dict)  # each kind's newest full wording
     tree_rounds: int = 0  # row-rounds whose guesses branched
     tree_nodes: int = 0  # nodes those rounds verified
     judged_by_depth_rank: Counter = field(default_factory=Counter)  # (depth, rank) -> draft-model nodes judged
@@ -107,8 +107,8 @@ class SpecStats:
         self.draft_length_hist[depth] += 1
         if drafted == 0:
             self.rounds_spec_off += 1
-            if outcome.plan.why:  # "<kind>: <the numbers of this round>"
-                kind = outcome.plan.why.split(":")[0]
+            if outcome.plan.plain_why is not None:  # counted by its kind; its wording "<kind>: <this round's numbers>"
+                kind = outcome.plan.plain_why.kind
                 self.plain_reasons[kind] += 1
                 self.plain_wording[kind] = outcome.plan.why
         while len(self.drafted_per_position) < depth:
@@ -183,7 +183,9 @@ class SpecStats:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["draft_length_hist"] = dict(sorted(self.draft_length_hist.items()))
-        data["plain_reasons"] = dict(self.plain_reasons.most_common())  # (asdict would count a Counter's pairs)
+        # the kinds' words as keys, plain strings for JSON (asdict would count a Counter's pairs)
+        data["plain_reasons"] = {kind.value: count for kind, count in self.plain_reasons.most_common()}
+        data["plain_wording"] = {kind.value: wording for kind, wording in self.plain_wording.items()}
         for name in ("judged_by_depth_rank", "accepted_by_depth_rank"):  # "depth/rank" keys: JSON has no tuples
             data[name] = {f"{depth}/{rank}": count for (depth, rank), count in sorted(getattr(self, name).items())}
         data["acceptance_by_depth_rank"] = {f"{depth}/{rank}": rate

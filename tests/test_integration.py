@@ -5,8 +5,7 @@ from pathlib import Path
 import torch
 
 import hf_specdec
-from hf_specdec.policy import NO_ROOM
-from hf_specdec.round import SourceKind
+from hf_specdec.round import PlainReason, SourceKind
 from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy, tiny_model
 
@@ -95,7 +94,7 @@ def test_a_profile_that_says_drafting_pays_drafts_from_the_first_round(prompt, m
     assert torch.equal(out, model.generate.__wrapped__(prompt, max_new_tokens=NEW, do_sample=False))
     stats = model.last_spec_stats.get()
     # never a plain round but, when one token is left, the last (no room for a guess)
-    assert stats.draft_length_hist[0] == stats.plain_reasons[NO_ROOM.split(":")[0]] <= 1, stats.plain_reasons
+    assert stats.draft_length_hist[0] == stats.plain_reasons[PlainReason.NO_ROOM] <= 1, stats.plain_reasons
     assert model.speculative_memory.estimates(draft).acceptance[(SourceKind.DRAFT, 0)].judged[0] > 0  # kept for later calls
     assert model.generate(prompt, assistant_model=draft, max_new_tokens=NEW, do_sample=False,
                           speculative_memory=None).shape == out.shape  # a call on its own
@@ -112,3 +111,26 @@ def test_stats_say_why_rounds_were_plain_and_serialise(prompt):
     assert stats.plain_reasons["a plain step first"] == 1
     data = json.loads(json.dumps(stats.to_dict()))
     assert data["plain_reasons"] == dict(stats.plain_reasons) and set(data["plain_wording"]) == set(data["plain_reasons"])
+
+
+def test_stats_count_plain_rounds_by_their_kind_not_their_text():
+    """A plain round counts under its plan's kind (a ``PlainReason`` member, never words cut from the text), even
+    when its detail holds colons or another kind's words; people read the newest wording, JSON gets the kinds'
+    words as keys."""
+    import json
+
+    from hf_specdec.round import PlainWhy, Proposal, RoundOutcome, RoundPlan
+    from hf_specdec.stats import SpecStats
+
+    stats = SpecStats()
+    for why in (PlainWhy(PlainReason.DOES_NOT_PAY, "1.0 tok/s expected: 4.0 plain"),
+                PlainWhy(PlainReason.NO_GUESS, "no room left: not the planner's words"),
+                PlainWhy(PlainReason.DOES_NOT_PAY, "2.0 tok/s expected: 4.0 plain")):
+        stats.record([RoundOutcome(Proposal(), (), 7, (7,), 10, 1, 0.1, plan=RoundPlan(max_tokens=4, plain_why=why))])
+    assert stats.rounds_spec_off == 3 and stats.plain_reasons == {PlainReason.DOES_NOT_PAY: 2, PlainReason.NO_GUESS: 1}
+    assert all(type(kind) is PlainReason for kind in stats.plain_reasons)
+    assert stats.why_plain() == ("2 rounds: drafting does not pay: 2.0 tok/s expected: 4.0 plain; "
+                                 "1 round: no guess worth its cost: no room left: not the planner's words")
+    data = json.loads(json.dumps(stats.to_dict()))
+    assert data["plain_reasons"] == {"drafting does not pay": 2, "no guess worth its cost": 1}
+    assert data["plain_wording"]["drafting does not pay"] == "drafting does not pay: 2.0 tok/s expected: 4.0 plain"

@@ -304,11 +304,18 @@ def test_planning_is_a_query():
     feed(policy, 3, 3, 0, t_draft=0.05, t_verify=flat, plain_step=0.1)  # a draft that does not pay
     policy.regret.plain_seconds = 100.0  # earlier plain steps: a probe is affordable
     observe(policy, outcome(Proposal(), 0, 0.1, plan(policy, 12)))
-    before = (dataclasses.replace(policy.estimates), vars(policy.exploration).copy(), policy.regret.lost)
+
+    def curves():  # the cost curves' values, in fresh dicts of floats: a copy that planning cannot reach
+        return {name: getattr(policy.estimates, name).table() for name in ("forward", "draft_step", "draft_rows")}
+
+    before = (curves(), vars(policy.exploration).copy(), policy.regret.lost)
+    assert before[0]["forward"] and before[0]["draft_step"]  # measured curves: a change to them would show
     first = [plan(policy, 12) for _ in range(5)]
     assert len(set(first)) == 1 and first[0].probe
     assert vars(policy.exploration) == before[1] and policy.regret.lost == before[2]
-    assert policy.estimates.forward.table() == before[0].forward.table()
+    assert curves() == before[0]
+
+
 def test_a_draft_step_measured_on_smaller_batches_is_priced_at_this_batch_size():
     """A batch of 8 after calls of 4 rows: the draft step measured at 4 rows (0.05 s) costs what the target's
     steps say a batch twice as large costs, t(8) / t(4) = 2 times as much. Priced at 0.05 s, drafting k = 7
@@ -476,3 +483,33 @@ def test_a_read_that_saves_nothing_says_so(monkeypatch):
     monkeypatch.setattr(Planner, "_saved", lambda self, price, k, gains, remaining: -4.25)
     assert policy.decide(policy.price(), 3, 29, 200).why == (
         "draft prompt read not repaid: 1.00 s to read, nothing saved at the worst verify cost over the 29 tokens left")
+
+
+def test_a_read_that_is_slow_again_is_its_real_cost_and_prices_drafting_out():
+    """Only one outlier is set aside as a cold start. A draft whose reads really cost four times the prior share
+    (a bf16 draft on a CPU without bf16 units: 4.2 s for a 64-token read against a parameter share of 1/3) is
+    learned from its second read: priced at the prior for good, every later call would read a prompt that its
+    drafting never repays."""
+    estimates = Estimates()
+    estimates.draft_read.prior = 1 / 3
+    assert estimates.draft_read.observe(1.2, 0.3) is False  # 4x the prior: set aside, as a cold start would be
+    assert estimates.draft_read.observe(1.2, 0.3) is True  # slow again: the read's cost
+    policy = Planner.speculative(SpecConfig(), estimates)
+    policy.observe_prefill(tokens=300, seconds=0.9)
+    for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
+        policy.estimates.forward.observe(n, seconds)
+    policy.estimates.draft_step.observe(1, 0.03)
+    (planned,) = policy.plan([RowView(0, torch.arange(301), 64)], [Offer(model_tokens=64, setup_tokens=300)])
+    assert abs(policy.read_seconds(300) - 3.6) < 1e-9
+    assert planned.model_tokens == 0 and "draft prompt read not repaid" in planned.why
+
+
+def test_a_target_size_slow_again_replaces_its_seed():
+    """A seeded size's first slow measurement is set aside (a cold start of that shape's kernels); the second is
+    the size's cost, so a seed far below it (a profile from another load of the machine) cannot hold for good."""
+    estimates = Estimates()
+    estimates.forward = ForwardCost.from_table({1: 0.1, 8: 0.1}, prior=True)
+    estimates.forward.observe(8, 0.5)
+    assert estimates.forward.estimate(8) < 0.5 and estimates.forward.cold == 1
+    estimates.forward.observe(8, 0.5)
+    assert estimates.forward.estimate(8) == 0.5 and estimates.forward.cold == 1

@@ -28,6 +28,7 @@ from hf_specdec.costmodel import ForwardCost
 from hf_specdec.drafters import draft_tree
 from hf_specdec.policy import Planner, expected_tree, tree_prefixes
 from hf_specdec.round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind, TreeShape
+from hf_specdec.stats import SpecStats
 from hf_specdec.support import Unsupported
 from tests.clock import VirtualClock
 from tests.conftest import char_tokenizer, perturbed_copy, tiny_model
@@ -133,13 +134,36 @@ def test_streamed_rounds_say_which_were_trees_and_the_demo_plot_marks_them(targe
 
 
 def test_batch_rows_each_grow_their_own_tree(target, close_draft, monkeypatch):
+    """Two left-padded rows: every round in which a row drafted verified a tree of that row's own (per row, from the
+    outcomes the loop hands to the call's stats: ``stats.tree_rounds`` alone sums the rows), some of each row's
+    nodes were kept, and each row's output is plain ``generate``'s row."""
     charged(monkeypatch, target, close_draft)
+    forwards = []  # per target forward: the outcome of each row it decoded (``RoundOutcome.row``)
+    record = SpecStats.record
+
+    def recording(stats, outcomes):
+        forwards.append(list(outcomes))
+        record(stats, outcomes)
+
+    monkeypatch.setattr(SpecStats, "record", recording)
     prompts = torch.tensor([[0, 0, 5, 17, 42, 8, 23], [3, 9, 11, 61, 2, 9, 7]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
     out = trees(target, close_draft, prompts, attention_mask=mask, pad_token_id=0)
-    assert torch.equal(out, plain(target, prompts, attention_mask=mask, pad_token_id=0))
+    expected = plain(target, prompts, attention_mask=mask, pad_token_id=0)
+    assert out.shape == expected.shape
+    for row in range(2):
+        assert torch.equal(out[row], expected[row]), row
     stats = target.last_spec_stats.get()
-    assert stats.rows == 2 and stats.tree_rounds >= 2 and stats.accepted > 0
+    assert stats.rows == 2
+    by_row = {row: [o for outcomes in forwards for o in outcomes if o.row == row] for row in range(2)}
+    for row, outcomes in by_row.items():
+        drafting = [o for o in outcomes if o.proposal.num_tokens]
+        assert drafting and all(o.proposal.branches and o.plan.tree is not None for o in drafting), row
+        assert sum(o.num_accepted for o in drafting) > 0, row
+    assert sum(o.proposal.branches for outcomes in by_row.values() for o in outcomes) == stats.tree_rounds
+    # each row's own tree: where both rows drafted in one forward, their trees differ (each grew from its tokens)
+    assert any(len(outcomes) == 2 and all(o.proposal.num_tokens for o in outcomes)
+               and outcomes[0].proposal.tokens != outcomes[1].proposal.tokens for outcomes in forwards)
 
 
 def test_a_stop_string_inside_an_accepted_branch(target, prompt, monkeypatch):
@@ -365,6 +389,40 @@ def test_no_tree_where_a_wide_draft_forward_makes_the_chain_faster():
     chosen = plan(policy)
     assert chosen.tree is None or all(width == 1 for width in chosen.tree.expanded)
     assert chosen.model_tokens > 0
+
+
+def batch_planner(t, rows, **kwargs):
+    """``planner`` with t(n) measured up to ``rows`` x 33 inputs, so that the price sizes a batch's tree, not the
+    exploration cap (twice the largest size measured, over the rows)."""
+    policy = planner(t, **kwargs)
+    for n in range(34, 33 * rows + 1):
+        policy.estimates.forward.observe(n, t(n))
+    return policy
+
+
+def plan_rows(policy, rows, offer=TREES, budget=16):
+    plans = policy.plan([RowView(row, torch.arange(10), budget) for row in range(rows)], [offer] * rows)
+    assert len(plans) == rows and len(set(plans)) == 1  # one tree (or chain) for the whole batch
+    return plans[0]
+
+
+def test_a_batch_prices_its_tree_by_rows_x_width_and_gets_a_narrower_one_or_the_chain():
+    """B rows verify B x (1 + nodes) inputs and the draft reads B x width at each depth: where the target's t(n)
+    grows with its inputs (1% of a forward each) and the draft's step with the inputs it reads (a quarter of a step
+    each), the tree of 2 rows is narrower than one row's and 4 rows draft the chain (either price taken for one row
+    alone would leave them a tree); where t(n) and the draft step are flat, a batch grows the tree one row grows."""
+    def growing(n):
+        return 0.10 * (1 + 0.01 * (n - 1))
+
+    by_inputs = {n: 0.01 * (1 + 0.25 * (n - 1)) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    one, two, four = (plan_rows(batch_planner(growing, rows, draft_by_width=by_inputs), rows) for rows in (1, 2, 4))
+    assert one.tree is not None and one.tree.branches and one.model_tokens == one.tree.depth
+    narrower = two.tree is None or (two.tree.num_nodes < one.tree.num_nodes  # 5 nodes against 8, or the chain
+                                    and max(two.tree.nodes) <= max(one.tree.nodes))
+    assert two.model_tokens > 0 and narrower, (two.tree, one.tree)
+    assert four.tree is None and four.model_tokens > 0  # the chain: it still drafts, without siblings
+    flat_one, flat_four = (plan_rows(batch_planner(flat, rows), rows) for rows in (1, 4))
+    assert flat_four.tree is not None and flat_four.tree.branches and flat_four.tree == flat_one.tree
 
 
 def test_siblings_that_are_never_kept_turn_trees_back_into_chains():

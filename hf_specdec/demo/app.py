@@ -23,6 +23,7 @@ from types import MappingProxyType
 import gradio as gr
 import torch
 
+from ..config import PolicyKind
 from ..harness import MODES, RoundStreamer, Settings
 from ..models import DEFAULT_DRAFT, DEFAULT_TARGET
 from .loading import Loaded, ModelCache, ModelChoice, ModelLoadError
@@ -32,7 +33,7 @@ from .panes import PaneRun, first_difference, render_pane, rounds_figure, sessio
 PANES = MappingProxyType({"plain": "Plain (transformers)", "assisted": "Transformers assisted",
                           "hf_specdec": "hf_specdec", "lookahead": "Lookahead (hf_specdec)"})  # key -> label, run order
 DEFAULT_PANES = ("plain", "hf_specdec")
-POLICIES = ("adaptive", "fixed", "heuristic")
+POLICIES = tuple(kind.value for kind in PolicyKind)  # the draft policies a visitor picks from (SpecConfig.policy)
 QUANTIZATIONS = ("auto", "4bit", "none")  # auto: the hardware profile's fastest draft format that fits
 MAX_PROMPT_CHARS = 8000  # cut before tokenizing
 MAX_PROMPT_TOKENS = 1024  # the last 1024 prompt tokens are kept
@@ -58,7 +59,7 @@ of producing them one by one. *Mean accepted length* = tokens per target forward
 """
 
 
-def harness_mode(key: str, policy: str) -> str:
+def harness_mode(key: str, policy: PolicyKind) -> str:
     """The harness mode behind a pane (lookahead cold: a visitor's run never copies another visitor's)."""
     return {"plain": "plain", "assisted": "hf_assisted", "hf_specdec": f"specdec_{policy}",
             "lookahead": "lookahead"}[key]
@@ -68,7 +69,7 @@ def harness_mode(key: str, policy: str) -> str:
 class DemoSettings:
     max_new_tokens: int = DEFAULT_NEW_TOKENS
     temperature: float = 0.0
-    policy: str = "adaptive"
+    policy: PolicyKind = PolicyKind.ADAPTIVE
     draft_quant: str = "auto"
 
     @classmethod
@@ -83,7 +84,7 @@ class DemoSettings:
         except (TypeError, ValueError):
             t = 0.0
         return cls(min(max(n, 1), MAX_NEW_TOKENS), min(max(t, 0.0), MAX_TEMPERATURE),
-                   policy if policy in POLICIES else "adaptive",
+                   PolicyKind(policy) if policy in POLICIES else PolicyKind.ADAPTIVE,
                    draft_quant if draft_quant in QUANTIZATIONS else "auto")
 
     def generation(self) -> Settings:
@@ -146,13 +147,13 @@ def _next_event(events: queue.Queue):
         return "tick"
 
 
-def _notes(key: str, row: dict, policy: str) -> list[str]:
+def _notes(key: str, row: dict, policy: PolicyKind) -> list[str]:
     spec, notes = row.get("spec") or {}, []
     if key == "hf_specdec" and spec.get("rounds_spec_off"):
         reasons, wording = spec.get("plain_reasons") or {}, spec.get("plain_wording") or {}
         why = "; ".join(f"{count}: {wording.get(kind, kind)}" for kind, count in
                         sorted(reasons.items(), key=lambda item: -item[1]))  # the planner's own words, most first
-        if not why and policy == "adaptive":
+        if not why and policy == PolicyKind.ADAPTIVE:
             why = "the adaptive policy judged a draft not worth its cost there"
         rounds = f"no draft in {spec['rounds_spec_off']} of {spec.get('rounds')} rounds"
         notes.append(f"{rounds} ({why})" if why else rounds)
@@ -249,7 +250,8 @@ def run_comparison(cache: ModelCache, prompt: str, modes: list[str], max_new_tok
 def build_demo(choice: ModelChoice | None = None) -> gr.Blocks:
     """Build the Blocks app. Loads nothing: models load on the first Run (or via ``warm_cache``)."""
     choice = choice or ModelChoice()
-    cache = ModelCache(choice, warm_modes=[harness_mode(k, "adaptive") for k in PANES], warm_prompt=EXAMPLES[0])
+    cache = ModelCache(choice, warm_modes=[harness_mode(k, PolicyKind.ADAPTIVE) for k in PANES],
+                       warm_prompt=EXAMPLES[0])
     with gr.Blocks(title="hf_specdec demo") as app:
         app.model_cache = cache  # for main() (preload) and tests; not a global
         gr.Markdown(INTRO)
@@ -266,7 +268,8 @@ def build_demo(choice: ModelChoice | None = None) -> gr.Blocks:
                 temperature = gr.Slider(0.0, MAX_TEMPERATURE, value=0.0, step=0.1,
                                         label="Temperature (0 = greedy: outputs must be identical)")
                 with gr.Row():
-                    policy = gr.Radio(list(POLICIES), value="adaptive", label="Draft policy (hf_specdec)")
+                    policy = gr.Radio(list(POLICIES), value=PolicyKind.ADAPTIVE.value,
+                                      label="Draft policy (hf_specdec)")
                     quant = gr.Radio(list(QUANTIZATIONS), value="auto", label="Draft format (auto: measured here)")
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
                 gr.Markdown(f"*{HONEST_TIMING_NOTE}* Models: {choice.describe()}.")

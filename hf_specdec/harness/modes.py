@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from .. import LookaheadConfig, LookaheadMemory, SpecConfig, SpeculativeMemory, enable
-from ..config import TreeMode
+from ..config import PolicyKind, TreeMode
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -151,11 +151,11 @@ def _assisted(k: int | None) -> Callable:
     return call
 
 
-def _specdec(name: str, policy: str, tree: TreeMode = TreeMode.AUTO) -> Callable:
+def _specdec(name: str, policy: PolicyKind, tree: TreeMode = TreeMode.AUTO) -> Callable:
     def call(h: Models, settings: Settings, kwargs: dict[str, Any]):
         k = settings.spec_k
         config = SpecConfig(policy=policy, num_draft_tokens=k, max_draft_tokens=max(SpecConfig.max_draft_tokens, k),
-                            tree=tree if policy == "adaptive" else TreeMode.OFF)
+                            tree=tree if policy is PolicyKind.ADAPTIVE else TreeMode.OFF)
         return enable(h.target).generate(**kwargs, assistant_model=h.draft, spec_config=config,
                                          speculative_memory=h.spec_memory(name))
 
@@ -176,13 +176,12 @@ MODES = MappingProxyType({mode.name: mode for mode in (
     Mode("hf_assisted_k3", "Transformers assisted, k=3", True, False, _assisted(3)),
     Mode("hf_assisted_k5", "Transformers assisted, k=5", True, False, _assisted(5)),
     Mode("hf_prompt_lookup", "Transformers prompt lookup", False, False, _transformers(prompt_lookup_num_tokens=10)),
-    Mode("specdec_adaptive", "hf_specdec (adaptive)", True, True, _specdec("specdec_adaptive", "adaptive")),
-    Mode("specdec_fixed", "hf_specdec (fixed)", True, True, _specdec("specdec_fixed", "fixed")),
-    Mode("specdec_heuristic", "hf_specdec (heuristic)", True, True, _specdec("specdec_heuristic", "heuristic")),
+    *(Mode(f"specdec_{kind}", f"hf_specdec ({kind})", True, True, _specdec(f"specdec_{kind}", kind))
+      for kind in PolicyKind),  # specdec_adaptive, specdec_fixed, specdec_heuristic: every --policy has its mode
     Mode("specdec_chain", "hf_specdec (adaptive, chain only)", True, True,
-         _specdec("specdec_chain", "adaptive", TreeMode.OFF)),
+         _specdec("specdec_chain", PolicyKind.ADAPTIVE, TreeMode.OFF)),
     Mode("specdec_tree", "hf_specdec (adaptive, trees on)", True, True,
-         _specdec("specdec_tree", "adaptive", TreeMode.ON)),
+         _specdec("specdec_tree", PolicyKind.ADAPTIVE, TreeMode.ON)),
     Mode("lookahead", "Lookahead (hf_specdec)", False, True, _lookahead(warm=False)),
     Mode("lookahead_warm", "Lookahead with memory (hf_specdec)", False, True, _lookahead(warm=True)),
 )})

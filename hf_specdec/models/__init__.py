@@ -16,7 +16,7 @@ memory, the machine record), ``int4`` (the int4 weight-only draft format over to
 """
 
 from .bundles import BUNDLES, Bundle, BundleError, bundle_status, ensure_bundle, resolve_cache_dir
-from .choose import Choice, Workload, choose_draft_format, choose_dtype
+from .choose import Choice, ChoiceKind, Workload, choose_draft_format, choose_dtype
 from .formats import FormatUnavailable, as_format, candidate_formats, format_load_args, model_format
 from .hardware import ModelLoadOOMError, footprint_bytes, machine_record, resolve_device, resolve_dtype
 from .int4 import Int4Linear, Int4Report, quantize_int4
@@ -32,8 +32,8 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 TINY_TARGET = "smollm2-135m-instruct"
 
 __all__ = [
-    "BUNDLES", "Bundle", "BundleError", "Choice", "DEFAULT_DRAFT", "DEFAULT_TARGET", "DeviceIdentity", "FormatCost",
-    "FormatUnavailable", "HardwareProfile", "Int4Linear", "Int4Report", "LoadInfo", "LoadedModel",
+    "BUNDLES", "Bundle", "BundleError", "Choice", "ChoiceKind", "DEFAULT_DRAFT", "DEFAULT_TARGET", "DeviceIdentity",
+    "FormatCost", "FormatUnavailable", "HardwareProfile", "Int4Linear", "Int4Report", "LoadInfo", "LoadedModel",
     "ModelLoadOOMError", "ProfileKey", "TINY_TARGET", "Workload",
     "as_format", "build_proxy", "bundle_status", "cached_costs", "cached_profile", "candidate_formats",
     "choose_draft_format", "choose_dtype", "config_of", "ensure_bundle", "footprint_bytes", "format_load_args",

@@ -22,6 +22,7 @@ choosers are tested without measuring:
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -56,14 +57,22 @@ class Workload:
             raise ValueError(f"Workload.max_draft_tokens must be in [0, 64], got {self.max_draft_tokens}")
 
 
+class ChoiceKind(enum.StrEnum):
+    """What a ``Choice`` chose (its ``kind``; ``Choice.to_dict()`` writes the value)."""
+
+    DTYPE = "dtype"  # the target's dtype (``choose_dtype``)
+    DRAFT_FORMAT = "draft_format"  # the draft's format (``choose_draft_format``)
+
+
 @dataclass(frozen=True)
 class Choice:
-    """A choice and why: ``kind`` "dtype" (the target's) or "draft_format"; ``value`` the format chosen;
+    """A choice and why: ``kind`` a ``ChoiceKind`` (its value accepted too): the target's ``DTYPE`` or the
+    ``DRAFT_FORMAT``; ``value`` the format chosen;
     ``seconds``: ((candidate, seconds), ...), the expected end-to-end seconds per target dtype, or the draft
     step per draft format; ``draft_tokens``: the draft length per round the estimate speculates with (0: plain
     decoding expected; dtype only); ``split``: a prefill/decode dtype split that would win, with its figure."""
 
-    kind: str
+    kind: ChoiceKind
     value: str
     why: str
     seconds: tuple[tuple[str, float], ...] = ()
@@ -71,13 +80,14 @@ class Choice:
     split: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dtype", "draft_format"):
-            raise ValueError(f"Choice.kind={self.kind!r}: use 'dtype' or 'draft_format'")
+        if self.kind not in tuple(ChoiceKind):
+            raise ValueError(f"Choice.kind={self.kind!r}: use one of {[kind.value for kind in ChoiceKind]}")
+        object.__setattr__(self, "kind", ChoiceKind(self.kind))
         object.__setattr__(self, "value", as_format(self.value))
         object.__setattr__(self, "seconds", tuple((as_format(f), float(s)) for f, s in self.seconds))
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "value": self.value, "why": self.why, "seconds": dict(self.seconds),
+        return {"kind": self.kind.value, "value": self.value, "why": self.why, "seconds": dict(self.seconds),
                 "draft_tokens": self.draft_tokens, "split": self.split}
 
 
@@ -170,7 +180,7 @@ def choose_dtype(profile: HardwareProfile, workload: Workload = Workload(), *, d
                      f"({_secs(estimates[b].decode_s)}) would take {_secs(seconds)}, {1 - seconds / chosen.total_s:.0%}"
                      f" less than {best} alone ({_secs(chosen.total_s)}); not done: it needs the weights in both dtypes "
                      f"and the KV cache converted")
-    return Choice("dtype", best, "; ".join(parts), tuple((f, estimates[f].total_s) for f in formats),
+    return Choice(ChoiceKind.DTYPE, best, "; ".join(parts), tuple((f, estimates[f].total_s) for f in formats),
                   chosen.draft_tokens, split)
 
 
@@ -209,4 +219,4 @@ def choose_draft_format(profile: HardwareProfile, *, memory_bytes: int | None = 
     if target_dtype is not None and as_format(target_dtype) in profile.target_formats:
         t1 = profile.target_entry(target_dtype).t1
         why += f"; c = {pick.t1 / t1:.2f} against the {as_format(target_dtype)} target step ({t1 * 1e3:.1f} ms)"
-    return Choice("draft_format", pick.format, why, tuple((e.format, e.t1) for e in entries))
+    return Choice(ChoiceKind.DRAFT_FORMAT, pick.format, why, tuple((e.format, e.t1) for e in entries))

@@ -38,7 +38,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..costmodel import Bound, ForwardCost, ForwardPrice, best_round, expected_tokens, prefix_gains
+from ..costmodel import (Bound, ForwardCost, ForwardPrice, agreement_runs, best_round, expected_tokens, prefix_gains,
+                         run_length_tokens, runs_that_fit)
 from ..round import SourceKind, prior_acceptance
 from .bundles import BUNDLES
 from .choose import Workload, choose_draft_format, choose_dtype
@@ -195,21 +196,16 @@ def measure_acceptance(target, draft, tokenizer, prompts: Sequence[str], *, shar
         logits = draft(seq.to(draft_device)).logits[0, plen - 1:-1, :shared_vocab]
         matches = (logits.argmax(-1).to(gen.device) == gen).tolist()
         matches_all += matches
-        # run length of agreement starting at each generated position
-        r, run = 0, [0] * len(matches)
-        for i in range(len(matches) - 1, -1, -1):
-            r = r + 1 if matches[i] else 0
-            run[i] = r
-        runs.append(run)
+        runs.append(agreement_runs(matches))  # run length of agreement starting at each generated position
     n = len(matches_all)
     alpha = sum(matches_all) / n if n else 0.0
     per_pos, per_pos_cond, e_meas = [], [], {"0": 1.0}
     for j in range(1, max_k + 1):
-        fits = [r[i] for r in runs for i in range(len(r) - j + 1)] or [x for r in runs for x in r]
+        fits = runs_that_fit(runs, j)
         prev = [r[i] for r in runs for i in range(len(r) - j + 1) if r[i] >= j - 1]
         per_pos.append(sum(x >= j for x in fits) / len(fits) if fits else 0.0)
         per_pos_cond.append(sum(x >= j for x in prev) / len(prev) if prev else 0.0)
-        e_meas[str(j)] = 1 + sum(min(x, j) for x in fits) / len(fits) if fits else 1.0
+        e_meas[str(j)] = run_length_tokens(runs, j)
     return {
         "prompts": len(prompts), "tokens": n, "max_new_tokens": max_new_tokens, "alpha": alpha,
         "per_position": per_pos, "per_position_conditional": per_pos_cond, "expected_tokens_measured": e_meas,

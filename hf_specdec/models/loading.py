@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from . import refs
-from .choose import Choice, Workload, choose_draft_format, choose_dtype
+from .choose import Choice, ChoiceKind, Workload, choose_draft_format, choose_dtype
 from .formats import FP32_POST_LOAD, format_load_args, quantize_loaded
 from .hardware import (POST_LOAD_QUANTIZE, ModelLoadOOMError, available_memory_bytes, oom_guard,
                        quantization_config, quantized_compute_dtype, resolve_device, resolve_dtype)
@@ -162,7 +162,8 @@ def load_model(ref: str, *, dtype: str | torch.dtype = "auto", quantize: str | N
             _stderr(message)
         torch_dtype, quantize = format_load_args("4bit", device)
         model, load_time = _load_weights(ref, resolved, torch_dtype, quantize, device)
-        choice = Choice("draft_format", "4bit", f"{message}; measured choice was: {choice.why}", choice.seconds)
+        choice = Choice(ChoiceKind.DRAFT_FORMAT, "4bit", f"{message}; measured choice was: {choice.why}",
+                        choice.seconds)
     model.eval()
     info = LoadInfo(ref=ref, kind=resolved.kind, path=resolved.path, dtype=str(torch_dtype).removeprefix("torch."),
                     quantize=quantize, device=device, load_time_s=load_time, choice=choice)

@@ -4,8 +4,10 @@
   prefix, n in ``TARGET_SIZES``, and the prefill: one forward over a ``PREFILL_TOKENS`` prompt;
 - per draft format: one draft step over n rows, n in ``DRAFT_SIZES``, timed as one row of n new tokens (the same
   matrix products) through the output layer it drafts with (``drafting_head``: narrowed where the drafter
-  narrows it), and the draft's prompt read: its prefill over prompts of ``DRAFT_READ_TOKENS`` tokens, so
-  that the core prices it as a fixed part plus a part per prompt token (``profile.linear_parts``). Every prefill
+  narrows it), and the draft's prompt read: its prefill over prompts of ``DRAFT_READ_TOKENS`` tokens (shown by
+  ``hf-specdec tune`` as a fixed part plus a part per prompt token, ``profile.linear_parts``; the core's prior
+  is its share of the target's prefill over as many tokens, ``seeding.read_share``, since a call prices the
+  draft's read as that share of the target's prefill it has just timed, ``costmodel.ReadCost``). Every prefill
   time is warm: the first forward at each length is a warm-up and is not counted (one-time kernel and allocator
   costs would otherwise land in the fixed part). A draft step does not grow with the batch as the target's
   forward does: on an Intel Xeon with AMX the dynamic-int8 0.5B draft took 48 / 52 / 95 / 106 ms over
