@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -64,7 +63,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an ins
 import torch  # noqa: E402
 
 import hf_specdec  # noqa: E402
-from first_call import git, jsonable, load_prompts  # noqa: E402  (bench/, beside this script)
+from first_call import git, load_prompts, machine_words, write_report  # noqa: E402  (bench/, beside this script)
 from hf_specdec.drafters.early_exit import EarlyExit, exit_candidates  # noqa: E402
 
 PROMPTS = ROOT / "bench" / "heldout.jsonl"
@@ -251,9 +250,7 @@ def markdown(report) -> str:
         return "–" if value is None else f"{value:{fmt}}{suffix}"
 
     lines = [f"drafters: {report['prompts']} held-out prompts, {report['new_tokens']} new tokens, greedy, a fresh "
-             f"enable before every call; {m['cpu_model']} ({', '.join(m['cpu_flags']) or 'no listed flags'}; bf16 "
-             f"units: {'yes' if m['bf16_units'] else 'no'}), {m['torch_threads']} threads, torch {m['torch']}, "
-             f"transformers {m['transformers']}; target {loaded['target'].get('ref')} in "
+             f"enable before every call; {machine_words(m)}; target {loaded['target'].get('ref')} in "
              f"{loaded['target']['format']}", "",
              "| mode | drafter | tok/s | vs plain | vs 0.5B bf16 | acceptance (draft) | drafted | draft forwards | "
              "c measured | tokens per target forward | lookup kept/drafted | identical |",
@@ -349,11 +346,7 @@ def main(argv=None) -> int:
     table = markdown(report)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "drafters.json").write_text(json.dumps(jsonable(report), indent=1))
-        (out / "drafters.md").write_text(table + "\n")
-        print(f"wrote {out / 'drafters.json'} and {out / 'drafters.md'}", file=sys.stderr)
+        write_report(args.out, "drafters", report, table)
     return 0
 
 

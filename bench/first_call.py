@@ -87,6 +87,22 @@ def git(*args: str) -> str | None:
         return None
 
 
+def machine_words(machine) -> str:
+    """The machine record (``machine()``) as every preset's table line gives it: CPU kind, flags, threads, versions."""
+    return (f"{machine['cpu_model']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}; bf16 units: "
+            f"{'yes' if machine['bf16_units'] else 'no'}), {machine['torch_threads']} threads, torch "
+            f"{machine['torch']}, transformers {machine['transformers']}")
+
+
+def write_report(out, name: str, report: dict, table: str) -> None:
+    """``OUT/<name>.json`` (the whole report) and ``OUT/<name>.md`` (the table printed)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(jsonable(report), indent=1))
+    (out / f"{name}.md").write_text(table + "\n")
+    print(f"wrote {out / (name + '.json')} and {out / (name + '.md')}", file=sys.stderr)
+
+
 def jsonable(value):
     """Stats values (Counters, tuples, dataclasses, int keys) as JSON."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -307,9 +323,7 @@ def markdown(report) -> str:
     s, machine = report["summary"], report["machine"]
     repeats = f", each mode {report['repeat']} times a prompt (times summed)" if report["repeat"] > 1 else ""
     lines = [f"first_call: {report['prompts']} held-out prompts, {report['new_tokens']} new tokens{repeats}, greedy; "
-             f"{machine['cpu_model']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}; bf16 units: "
-             f"{'yes' if machine['bf16_units'] else 'no'}), {machine['torch_threads']} threads, torch "
-             f"{machine['torch']}, transformers {machine['transformers']}; target "
+             f"{machine_words(machine)}; target "
              f"{report['load']['target'].get('format')}, draft {report['load']['draft'].get('format')} (auto)",
              f"fastest plain dtype per prompt: {s['fastest_plain']['tok_s']:.2f} tok/s "
              f"({', '.join(f'{m} {n}' for m, n in s['fastest_plain']['dtype_count'].items())} prompts)", "",
@@ -433,11 +447,7 @@ def main(argv=None) -> int:
     table = markdown(report)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "first_call.json").write_text(json.dumps(report, indent=1))
-        (out / "first_call.md").write_text(table + "\n")
-        print(f"wrote {out / 'first_call.json'} and {out / 'first_call.md'}", file=sys.stderr)
+        write_report(args.out, "first_call", report, table)
     return 0
 
 

@@ -22,7 +22,6 @@ identity with plain. ``--out DIR`` writes ``trees.json`` and ``trees.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,10 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an installed copy
 
-import torch  # noqa: E402
-
 import hf_specdec  # noqa: E402
-from first_call import git, jsonable, load_prompts  # noqa: E402  (bench/, beside this script)
+from first_call import git, load_prompts, write_report  # noqa: E402  (bench/, beside this script)
 from hf_specdec.costmodel import ForwardCost  # noqa: E402
 
 PROMPTS = ROOT / "bench" / "heldout.jsonl"
@@ -199,10 +196,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "trees.json").write_text(json.dumps(jsonable(report), indent=1))
-        (out / "trees.md").write_text(table + "\n")
+        write_report(args.out, "trees", report, table)
     return 0
 
 

@@ -69,6 +69,7 @@ TEACHER_FILE = "teacher.pt"  # output_dir/teacher.pt: the continuations and teac
 REPORT_FILE = "distill_report.json"  # output_dir/distill_report.json: DistillReport.to_dict()
 TRAINER_FILE = "trainer.pt"
 EXPECTED_KS = (1, 2, 4, 8)  # draft lengths the report gives expected tokens per round for
+SPEED_MAX_K = 8  # the longest draft the predicted speedup considers (``hf-specdec check``'s)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -631,8 +632,13 @@ class Score(NamedTuple):
         flat = [m for row in self.matches for m in row]
         return sum(flat) / len(flat) if flat else 0.0
 
-    def expected(self) -> dict[int, float]:
-        return {k: expected_tokens(self.matches, k) for k in EXPECTED_KS}
+    def expected(self, ks: Sequence[int] = EXPECTED_KS) -> dict[int, float]:
+        return {k: expected_tokens(self.matches, k) for k in ks}
+
+    def acceptance(self) -> dict:
+        """What ``compat.predict`` reads: the agreement and the run-length tokens per round at k = 1..8."""
+        return {"alpha": self.agreement, "expected_tokens_measured": {
+            str(k): v for k, v in self.expected(range(1, SPEED_MAX_K + 1)).items()}}
 
 
 @torch.no_grad()
@@ -665,6 +671,12 @@ class DistillReport:
     continuations (``train_agreement_*`` over the training ones); ``tokens``: continuation positions trained on
     (summed over steps), ``input_tokens``: every token the drafter read in training; ``wall_s``: training
     seconds (a resumed run adds its checkpoint's), ``teacher_s``: generating the continuations (0 when cached).
+    ``c``: one drafter step over one target step, measured on this machine after training (the drafter in fp32,
+    as trained; ``hf-specdec check``'s probe); ``speedup_before`` / ``speedup_after``: greedy speculative decoding's
+    speedup over plain decoding that the cost model predicts from that c, the target's measured v(n) and the
+    held-out run lengths before / after training, at the draft length ``k_before`` / ``k_after`` it picks
+    (``compat.predict`` and ``drafting_row``, as ``hf-specdec check`` predicts; 1.0 and k = 0 where drafting does
+    not pay); None without the target in memory or with ``speed=False``.
     ``drafter``: the trained model (not in ``to_dict``); with an ``output_dir`` it is also saved there."""
 
     loss: str
@@ -690,6 +702,11 @@ class DistillReport:
     train_agreement_before: float
     train_agreement_after: float
     final_loss: float | None
+    c: float | None = None
+    speedup_before: float | None = None
+    speedup_after: float | None = None
+    k_before: int | None = None
+    k_after: int | None = None
     resumed_from: int | None = None
     output_dir: str | None = None
     drafter: Any = field(default=None, repr=False, compare=False)
@@ -707,7 +724,10 @@ class DistillReport:
                 f"{self.loss}, {self.steps} steps, {self.tokens} tokens, {self.wall_s / 60:.1f} min "
                 f"on {self.device}: held-out greedy agreement {self.agreement_before:.3f} -> {self.agreement_after:.3f}"
                 f", TVD {self.tvd_before:.3f} -> {self.tvd_after:.3f}, expected tokens per round at k={k} "
-                f"{self.expected_tokens_before[k]:.2f} -> {self.expected_tokens_after[k]:.2f}")
+                f"{self.expected_tokens_before[k]:.2f} -> {self.expected_tokens_after[k]:.2f}"
+                + ("" if self.c is None else
+                   f"; c = {self.c:.3f}, predicted speedup {self.speedup_before or 1.0:.2f}x (k={self.k_before}) "
+                   f"-> {self.speedup_after or 1.0:.2f}x (k={self.k_after})"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -800,13 +820,37 @@ def _freeze(drafter, freeze_embeddings: bool) -> list[torch.nn.Parameter]:
     return [p for p in drafter.parameters() if p.requires_grad]
 
 
+@torch.no_grad()
+def predict_speed(target, drafter, examples: Sequence[Example], acceptance: Mapping[str, dict | None],
+                  context_tokens: int = 100) -> dict[str, Any]:
+    """c of ``drafter`` against ``target`` (measured here, on top of ``context_tokens`` of the examples' text), and
+    for each named ``acceptance`` (``Score.acceptance``) the speedup and k the cost model predicts: the
+    ``DistillReport`` fields ``c``, ``speedup_<name>``, ``k_<name>``."""
+    from .models.compat import costs_over, drafting_row, predict  # the check's probe and prediction
+
+    text = torch.cat([e.ids for e in examples])
+    prefix = text.repeat(-(-context_tokens // text.shape[0]))[:context_tokens].unsqueeze(0)
+    was_training = drafter.training
+    drafter.eval()
+    cost = costs_over(target, drafter, prefix, max_k=SPEED_MAX_K)
+    drafter.train(was_training)
+    found: dict[str, Any] = {"c": cost["c"]}
+    for name, measured in acceptance.items():
+        if measured is not None:  # a checkpoint written before these were kept has none
+            row = drafting_row(cost, predict(cost, measured, SPEED_MAX_K))
+            found[f"speedup_{name}"] = 1.0 if row is None else row["speedup_measured"]
+            found[f"k_{name}"] = 0 if row is None else row["k"]
+    return found
+
+
 def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: int = 200,
             start: DraftStart | str = "draft", loss: DistillLoss | str = DistillLoss.TVD, tokenizer=None,
             heldout: Sequence[str | Sequence[int]] | None = None, continuation_tokens: int = 32,
             max_prompt_tokens: int | None = None, batch_size: int = 4, lr: float | None = None,
             warmup_steps: int = 10, freeze_embeddings: bool | None = None, teacher_memory_bytes: int = 1 << 30,
             teacher_top_k: int = 64, output_dir: str | Path | None = None, save_every: int = 50,
-            resume: bool = False, seed: int = 0, device: str = "auto", progress: bool = True) -> DistillReport:
+            resume: bool = False, seed: int = 0, device: str = "auto", progress: bool = True,
+            speed: bool = True) -> DistillReport:
     """Train a drafter for ``target`` on the target's own continuations of ``prompts``; see the module docstring.
 
     ``drafter``: the draft model a ``draft*`` start begins from (not modified; None for ``target_first:N`` /
@@ -826,7 +870,8 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
     ``prepare_teacher``), the latest checkpoint is written every ``save_every`` steps to ``checkpoint/`` (``resume=True``
     continues from it, refusing other settings; ``steps`` may grow), and the trained drafter is saved to
     ``output_dir`` itself with the tokenizer (``load_model(output_dir)`` and ``generate(assistant_model=)``
-    take it) beside ``distill_report.json``.
+    take it) beside ``distill_report.json``. With the target in memory and ``speed``, the report also gives c and
+    the predicted speedup before and after (``DistillReport``).
     """
     loss = DistillLoss.parse(loss)
     start = DraftStart.parse(start)
@@ -887,7 +932,8 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
         last_loss, resumed_from = state["last_loss"], state["step"]
     else:
         held_score, train_score = score(model, held, device), score(model, train, device)
-        before = {"agreement": held_score.agreement, "tvd": held_score.tvd, "expected": held_score.expected()}
+        before = {"agreement": held_score.agreement, "tvd": held_score.tvd, "expected": held_score.expected(),
+                  "acceptance": held_score.acceptance()}
         train_before = train_score.agreement
         step, tokens, input_tokens, wall, last_loss, resumed_from = 0, 0, 0, 0.0, None, None
 
@@ -925,6 +971,9 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
 
     # -- after -------------------------------------------------------------------------------------------------
     held_score, train_score = score(model, held, device), score(model, train, device)
+    predicted = (predict_speed(target, model, held, {"before": before.get("acceptance"),
+                                                     "after": held_score.acceptance()})
+                 if speed and target is not None else {})
     report = DistillReport(
         loss=loss.value, start=str(start), steps=step, tokens=tokens, input_tokens=input_tokens, wall_s=wall,
         teacher_s=data.seconds, teacher_format=str(fmt), continuation_tokens=continuation_tokens,
@@ -934,7 +983,7 @@ def distill(target, drafter, prompts: Sequence[str | Sequence[int]], *, steps: i
         agreement_before=before["agreement"], agreement_after=held_score.agreement, tvd_before=before["tvd"],
         tvd_after=held_score.tvd, expected_tokens_before={int(k): v for k, v in before["expected"].items()},
         expected_tokens_after=held_score.expected(), train_agreement_before=train_before,
-        train_agreement_after=train_score.agreement, final_loss=last_loss, resumed_from=resumed_from,
+        train_agreement_after=train_score.agreement, final_loss=last_loss, resumed_from=resumed_from, **predicted,
         output_dir=None if out is None else str(out), drafter=model)
     if out is not None:
         model.save_pretrained(out)
@@ -1017,7 +1066,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
                          heldout=heldout, continuation_tokens=args.continuation_tokens,
                          max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, lr=args.lr,
                          output_dir=args.out, save_every=args.save_every, resume=args.resume, seed=args.seed,
-                         device=args.device, progress=not args.quiet)
+                         device=args.device, progress=not args.quiet, speed=not args.no_speed)
     except (OSError, ValueError) as err:
         print(f"hf-specdec: error: {err}", file=sys.stderr)
         return 2
@@ -1058,6 +1107,8 @@ def register(subparsers) -> None:
                                                    "trains in fp32")
     p.add_argument("--target-device", default="cpu", help="where the target runs (cpu, cuda, auto)")
     p.add_argument("--device", default="auto", help="where the drafter trains (auto: CUDA when available)")
+    p.add_argument("--no-speed", action="store_true", help="skip measuring c and predicting the speedup before / "
+                   "after (about 50 timed forwards of the target)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_distill)

@@ -61,6 +61,32 @@ def test_distillation_raises_greedy_agreement(run):
     assert saved == json.loads(json.dumps(report.to_dict())) and "drafter" not in saved
 
 
+def test_the_report_gives_c_and_the_speedup_the_cost_model_predicts(teacher, run, monkeypatch):
+    """c comes from the check's probe and the speedup from the check's prediction. On a virtual clock (a flat 1-s
+    target forward, a 0.05-s drafter step) c is exactly 0.05; a drafter that agrees everywhere is predicted to pay
+    (k >= 1, above 1x), one that never agrees gets plain decoding (k = 0, 1.0x)."""
+    from types import SimpleNamespace
+
+    from hf_specdec import costmodel
+    from tests.clock import VirtualClock
+
+    report, _ = run
+    assert report.c is not None and report.c > 0 and report.k_before is not None and report.k_after is not None
+    assert (report.k_after == 0) == (report.speedup_after == 1.0) and "c = " in report.summary()
+    clock = VirtualClock(monkeypatch)
+    monkeypatch.setattr(costmodel, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    clock.charge(monkeypatch, teacher, lambda n: 1.0, name="target")
+    drafter = build_start(DraftStart.parse("config:1"), teacher, None, seed=0, rows=teacher.config.vocab_size)
+    clock.charge(monkeypatch, drafter, lambda n: 0.05, name="draft")
+    example = distill_module.Example(torch.arange(24), 8, None)
+    every = {"alpha": 1.0, "expected_tokens_measured": {str(k): k + 1.0 for k in range(1, 9)}}
+    never = {"alpha": 0.0, "expected_tokens_measured": {str(k): 1.0 for k in range(1, 9)}}
+    found = distill_module.predict_speed(teacher, drafter, [example], {"before": never, "after": every})
+    assert found["c"] == pytest.approx(0.05)
+    assert found["k_before"] == 0 and found["speedup_before"] == 1.0
+    assert found["k_after"] >= 1 and found["speedup_after"] > 2.0, found
+
+
 def test_zero_steps_leave_the_drafter_as_it_started(teacher, run, tmp_path):
     """The negative control: the same start and data, no steps: the agreement stays where it started."""
     report, out = run

@@ -267,14 +267,21 @@ def test_a_cold_first_read_cannot_switch_speculation_off_for_good():
     short = Planner.speculative(SpecConfig(), estimates)
     short.observe_prefill(tokens=5, seconds=0.06)
     assert short.estimates.draft_read.observe(0.53, 0.06) is False and estimates.draft_read.cold == 1
-    policy = Planner.speculative(SpecConfig(), estimates)  # the next call, same memory
-    policy.observe_prefill(tokens=300, seconds=0.9)
+    policy, planned = first_plan_after_a_read(estimates, prefill_s=0.9, remaining=64, draft_step=0.03)  # next call
+    assert planned.model_tokens > 0 and policy.read_seconds(300) == 0.3
+
+
+def first_plan_after_a_read(estimates, *, prefill_s: float, remaining: int, draft_step: float):
+    """A call on ``estimates`` whose target has just read a 300-token prompt in ``prefill_s``, with t(n) measured
+    nearly flat (0.1 s a step) and a draft step of ``draft_step``: (its planner, its first plan)."""
+    policy = Planner.speculative(SpecConfig(), estimates)
+    policy.observe_prefill(tokens=300, seconds=prefill_s)
     for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
         policy.estimates.forward.observe(n, seconds)
-    policy.estimates.draft_step.observe(1, 0.03)
-    views = [RowView(0, torch.arange(301), 64)]
-    (planned,) = policy.plan(views, [Offer(model_tokens=64, setup_tokens=300)])
-    assert planned.model_tokens > 0 and policy.read_seconds(300) == 0.3
+    policy.estimates.draft_step.observe(1, draft_step)
+    (planned,) = policy.plan([RowView(0, torch.arange(301), remaining)],
+                             [Offer(model_tokens=remaining, setup_tokens=300)])
+    return policy, planned
 
 
 def test_a_read_priced_out_of_drafting_is_measured_again_by_a_later_call():
@@ -285,12 +292,7 @@ def test_a_read_priced_out_of_drafting_is_measured_again_by_a_later_call():
     estimates.draft_read.observe(draft_seconds=0.8, target_seconds=1.0)  # 0.8: under 3x the prior, learned
     calls = []
     for _ in range(6):
-        policy = Planner.speculative(SpecConfig(), estimates)
-        policy.observe_prefill(tokens=300, seconds=1.0)
-        for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
-            policy.estimates.forward.observe(n, seconds)
-        policy.estimates.draft_step.observe(1, 0.02)
-        (planned,) = policy.plan([RowView(0, torch.arange(301), 40)], [Offer(model_tokens=40, setup_tokens=300)])
+        policy, planned = first_plan_after_a_read(estimates, prefill_s=1.0, remaining=40, draft_step=0.02)
         calls.append(planned.model_tokens > 0)
         if not planned.model_tokens:
             assert planned.why.startswith("draft prompt read not repaid")
@@ -494,12 +496,7 @@ def test_a_read_that_is_slow_again_is_its_real_cost_and_prices_drafting_out():
     estimates.draft_read.prior = 1 / 3
     assert estimates.draft_read.observe(1.2, 0.3) is False  # 4x the prior: set aside, as a cold start would be
     assert estimates.draft_read.observe(1.2, 0.3) is True  # slow again: the read's cost
-    policy = Planner.speculative(SpecConfig(), estimates)
-    policy.observe_prefill(tokens=300, seconds=0.9)
-    for n, seconds in {1: 0.1, 2: 0.1, 4: 0.11, 8: 0.12}.items():
-        policy.estimates.forward.observe(n, seconds)
-    policy.estimates.draft_step.observe(1, 0.03)
-    (planned,) = policy.plan([RowView(0, torch.arange(301), 64)], [Offer(model_tokens=64, setup_tokens=300)])
+    policy, planned = first_plan_after_a_read(estimates, prefill_s=0.9, remaining=64, draft_step=0.03)
     assert abs(policy.read_seconds(300) - 3.6) < 1e-9
     assert planned.model_tokens == 0 and "draft prompt read not repaid" in planned.why
 

@@ -151,7 +151,14 @@ def measure_costs(target, draft, tokenizer, *, shared_vocab: int, max_k: int = 8
                   prefix_tokens: int = 100) -> dict:
     """``c`` and ``v(k)`` for k = 0..max_k (see the module docstring), by the one offline probe
     (``hf_specdec.models.measure.measure_costs`` over ``hf_specdec.costmodel.forward_times``: medians)."""
-    prefix = _prefix_ids(tokenizer, prefix_tokens, shared_vocab)
+    return costs_over(target, draft, _prefix_ids(tokenizer, prefix_tokens, shared_vocab), max_k=max_k,
+                      repeats=repeats)
+
+
+def costs_over(target, draft, prefix: torch.Tensor, *, max_k: int = 8, repeats: int = 5) -> dict:
+    """``measure_costs`` on top of a given cached context (``prefix``: [1, L] token ids): what ``predict``
+    reads."""
+    prefix_tokens = int(prefix.shape[1])
     costs = probe_costs(target, draft, prefix, range(1, max_k + 2), repeats)
     return {
         "t_step_ms": costs["t_step_s"] * 1e3,
@@ -241,6 +248,14 @@ def predict(cost: dict, acceptance: dict, max_k: int = 8) -> list[dict]:
     return rows
 
 
+def drafting_row(cost: dict, prediction: list[dict]) -> dict | None:
+    """The row of ``predict`` at the k the cost model's one answer picks (``costmodel.best_round`` over the
+    measured run lengths, what the adaptive policy decides each round); None where no k > 0 beats a plain step."""
+    gains = [r["expected_tokens_measured"] - p["expected_tokens_measured"] for p, r in zip(prediction, prediction[1:])]
+    draft = best_round(_price(cost), gains, bound=Bound.WORST)
+    return prediction[draft.k] if draft is not None and draft.k > 0 else None
+
+
 def recommend(cost: dict, prediction: list[dict]) -> dict:
     """Mode, policy and k, by the cost model's one answer (``costmodel.best_round``, what the adaptive policy
     decides each round): speculative when a round that drafts beats a plain step at the measured acceptance;
@@ -248,13 +263,11 @@ def recommend(cost: dict, prediction: list[dict]) -> dict:
     costs no draft step) beats it; else plain decoding."""
     max_k = len(prediction) - 1
     best = max(prediction[1:], key=lambda r: r["speedup_measured"])
-    gains = [r["expected_tokens_measured"] - p["expected_tokens_measured"] for p, r in zip(prediction, prediction[1:])]
     price = _price(cost)
-    draft = best_round(price, gains, bound=Bound.WORST)
-    if draft is not None and draft.k > 0:
-        row = prediction[draft.k]
-        return {"mode": "speculative", "policy": "adaptive", "k": draft.k, "predicted_speedup": row["speedup_measured"],
-                "why": f"predicted {row['speedup_measured']:.2f}x at k={draft.k} "
+    row = drafting_row(cost, prediction)
+    if row is not None:
+        return {"mode": "speculative", "policy": "adaptive", "k": row["k"], "predicted_speedup": row["speedup_measured"],
+                "why": f"predicted {row['speedup_measured']:.2f}x at k={row['k']} "
                        f"(E={row['expected_tokens_measured']:.2f} tokens/round, round cost "
                        f"{row['round_cost']:.2f} target steps); the adaptive policy starts there and follows "
                        "the acceptance it sees"}
