@@ -237,8 +237,8 @@ class EmaName(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Decision:
-    """What ``AdaptivePolicy`` decided for a round before per-row details: k (0: a plain step), whether it is a
-    probe, and why a plain step was chosen (``plain_why``; ``why`` is its wording)."""
+    """What ``Planner.decide`` chose for a draft model's round before per-row details: k (0: a plain step),
+    whether it is a probe, and why a plain step was chosen (``plain_why``; ``why`` is its wording)."""
 
     k: int
     probe: bool = False
