@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an ins
 import torch  # noqa: E402
 
 import hf_specdec  # noqa: E402
-from first_call import git, load_prompts, machine_words, write_report  # noqa: E402  (bench/, beside this script)
+from first_call import load_prompts, machine_of, machine_words, write_report  # noqa: E402  (bench/, beside this script)
 from hf_specdec.drafters.early_exit import EarlyExit, exit_candidates  # noqa: E402
 
 PROMPTS = ROOT / "bench" / "heldout.jsonl"
@@ -233,16 +233,6 @@ def summarize(records, modes) -> dict:
     return summary
 
 
-def machine() -> dict:
-    from hf_specdec.models.hardware import cpu_flags, machine_record
-
-    flags = cpu_flags()
-    record = machine_record("cpu")
-    record.update(bf16_units="avx512_bf16" in flags or "amx_bf16" in flags,
-                  commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "hf_specdec")))
-    return record
-
-
 def markdown(report) -> str:
     s, m, loaded = report["summary"], report["machine"], report["load"]
 
@@ -341,8 +331,8 @@ def main(argv=None) -> int:
 
     report = {"preset": "drafters", "issue": 29, "argv": sys.argv[1:] if argv is None else list(argv),
               "tiny": args.tiny, "prompts": len(records), "prompt_file": args.prompts, "new_tokens": args.new_tokens,
-              "early_exit": args.early_exit, "modes": modes, "skipped": skipped, "machine": machine(),
-              "load": loaded, "summary": summarize(records, modes), "records": records}
+              "early_exit": args.early_exit, "modes": modes, "skipped": skipped,
+              "machine": machine_of(loaded["target"].get("dtype")), "load": loaded, "summary": summarize(records, modes), "records": records}
     table = markdown(report)
     print(table)
     if args.out:

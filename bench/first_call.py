@@ -87,6 +87,18 @@ def git(*args: str) -> str | None:
         return None
 
 
+def machine_of(dtype: str | None = None) -> dict:
+    """The machine record every preset reports (``hardware.machine_record``), with whether the CPU has bf16 units,
+    its AMX flags, and the hf_specdec it ran (path, commit, uncommitted changes)."""
+    from hf_specdec.models.hardware import cpu_flags, cpu_has_bf16, machine_record
+
+    record = machine_record(dtype=dtype)
+    record.update(bf16_units=cpu_has_bf16(), amx=sorted(f for f in cpu_flags() if f.startswith("amx")),
+                  hf_specdec_path=str(Path(hf_specdec.__file__).parent),
+                  commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "hf_specdec")))
+    return record
+
+
 def machine_words(machine) -> str:
     """The machine record (``machine()``) as every preset's table line gives it: CPU kind, flags, threads, versions."""
     return (f"{machine['cpu_model']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}; bf16 units: "
@@ -427,15 +439,7 @@ def main(argv=None) -> int:
                   flush=True)
         short_calls = runner.short
 
-    from hf_specdec.models.hardware import machine_record
-    from hf_specdec.models.hardware import cpu_flags
-
-    flags = cpu_flags()
-    machine = machine_record(dtype=load["target"].get("dtype"))
-    machine.update(bf16_units="avx512_bf16" in flags or "amx_bf16" in flags,
-                   amx=sorted(f for f in flags if f.startswith("amx")),
-                   hf_specdec_path=str(Path(hf_specdec.__file__).parent),
-                   commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "hf_specdec")))
+    machine = machine_of(load["target"].get("dtype"))
     summary = summarize(records, modes, baseline_modes)
     report = {"preset": "first_call", "issue": 27, "argv": sys.argv[1:] if argv is None else list(argv),
               "old": args.old, "tiny": args.tiny, "prompts": len(records), "prompt_file": args.prompts,

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an installed copy
 
 import hf_specdec  # noqa: E402
-from first_call import git, load_prompts, write_report  # noqa: E402  (bench/, beside this script)
+from first_call import git, load_prompts, machine_of, write_report  # noqa: E402  (bench/, beside this script)
 from hf_specdec.costmodel import ForwardCost  # noqa: E402
 
 PROMPTS = ROOT / "bench" / "heldout.jsonl"
@@ -171,11 +171,9 @@ def main(argv=None) -> int:
             entry["acceptance_by_depth_rank"] = {key: f"{kept.get(key, 0)}/{n}" for key, n in judged.items()}
         summary[mode] = entry
 
-    from hf_specdec.models.hardware import machine_record
-
     report = {"preset": "trees", "issue": 28, "argv": sys.argv[1:] if argv is None else list(argv),
               "prompts": len(records), "new_tokens": args.new_tokens, "modes": modes, "load": loaded,
-              "warmup_s": warmups, "machine": machine_record(), "commit": git("rev-parse", "HEAD"),
+              "warmup_s": warmups, "machine": machine_of(), "commit": git("rev-parse", "HEAD"),
               "summary": summary, "records": records}
     lines = [f"trees: {len(records)} held-out prompts, {args.new_tokens} new tokens, greedy; target {loaded['target']}; "
              f"draft {loaded['draft']}", "",
