@@ -3,7 +3,7 @@
     python bench/batch.py --batches 1,2,4,8 --prompts 8 --new 64 --json results/batch.json
 
 A script, not a test. HumanEval prompts (completion style), left-padded into batches of B; for each batch size
-every mode decodes the same batches, modes rotated per batch, after a warm-up. Throughput = all rows' new tokens
+every mode decodes the same batches, modes in a balanced order per batch (``eval/interleave.py``), after a warm-up. Throughput = all rows' new tokens
 (until each row's EOS or the limit) / total seconds. Greedy; every row of every mode is checked against plain
 batched generate on the same padded batch (bf16 near-ties may legitimately flip a token; fp32 is exact).
 Speculative modes share the target's speculative memory (``enable(model)``: measured costs and acceptance, as a
@@ -21,12 +21,16 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import hf_specdec
-from hf_specdec.harness import machine_record, seed_memory
-from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eval/, when run as bench/batch.py
+
+import hf_specdec  # noqa: E402
+from eval.interleave import order as run_order  # noqa: E402
+from hf_specdec.harness import machine_record, seed_memory  # noqa: E402
+from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair  # noqa: E402
 
 
 STATS = ("draft_setup_time_s", "draft_time_s", "verify_time_s", "rounds", "rounds_spec_off")  # summed per mode
@@ -93,7 +97,7 @@ def main(argv=None) -> int:
         spent = {mode: dict.fromkeys(STATS, 0.0) for mode in modes if mode != "plain"}  # where hf_specdec's time went
         for g, group in enumerate(groups):
             ids, mask = left_padded(tokenizer, group)
-            order = list(modes)[g % len(modes):] + list(modes)[: g % len(modes)]
+            order = run_order(list(modes), g)
             outs = {}
             for mode in order:
                 with torch.inference_mode():

@@ -13,8 +13,8 @@ whole run, as ``enable`` would (``old_again`` is the old commit with a memory of
 same code differ); ``new_unseeded`` (not in the default) is this checkout with a memory that is not seeded from
 the hardware profile (it learns t(n) from its own forwards, as calls did before seeding); ``--cold`` gives every
 call a fresh memory instead. Every mode decodes one warm-up call first
-(the existing presets warm up; ``bench/first_call.py`` measures the calls without one). Modes are rotated per
-prompt; throughput = total new tokens / total seconds. A forward hook counts target forwards, their inputs and
+(the existing presets warm up; ``bench/first_call.py`` measures the calls without one). Modes run in a balanced order per
+prompt (``eval/interleave.py``: run a multiple of 4 prompts for 4 modes); throughput = total new tokens / total seconds. A forward hook counts target forwards, their inputs and
 the plain (one-input) ones: where a difference comes from.
 """
 
@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eval/, when run as bench/before_after.py
 
+from eval.interleave import order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from hf_specdec.memory import EstimatesFrom, Seeding  # noqa: E402
 from old_commit import import_old  # noqa: E402  (bench/, beside this script)
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         per_prompt = []
         for i, (sample_id, inputs) in enumerate(samples):
             outs, row = {}, {"id": sample_id}
-            for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+            for mode in run_order(modes, i):
                 counts.update(forwards=0, inputs=0, plain=0)
                 width = inputs["input_ids"].shape[1]
                 with torch.inference_mode():

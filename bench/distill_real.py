@@ -26,7 +26,7 @@ Stages (``--stage``, each reads what the earlier ones wrote in OUT; ``all`` runs
 5. ``speed`` (not in ``all``): what a user sees. The pair as ``load_pair`` loads it (``auto``), the distilled
    drafter in the 0.5B draft's chosen format; plain ``generate``, then the README path with each drafter (a
    fresh ``enable`` before every call: a script's first call, no warm-up), interleaved per held-out prompt
-   (``--spec-prompts``, ``--speed-tokens`` new tokens) with the order rotated; total tokens over total seconds,
+   (``--spec-prompts``, ``--speed-tokens`` new tokens) in a balanced order (``eval/interleave.py``); total tokens over total seconds,
    acceptance, and c as measured in those calls (draft seconds per draft forward over plain seconds per token).
 
 Prompts: training from HumanEval (``--train`` completion prompts from problem 0, ``--train-chat`` chat prompts from
@@ -49,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eval.interleave import order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from hf_specdec.distill import TEACHER_FILE, DraftStart, cut_config, distill, prepare_teacher  # noqa: E402
 from hf_specdec.distill import read_prompt_source  # noqa: E402
@@ -201,7 +202,7 @@ def stage_speed(args, out: Path) -> dict:
     totals = {name: {"tokens": 0, "seconds": 0.0, "identical": 0, "accepted": 0, "drafted": 0,
                      "draft_forwards": 0, "draft_s": 0.0} for name in modes}
     for i, ids in enumerate(prompts):
-        order = list(modes)[i % len(modes):] + list(modes)[: i % len(modes)]
+        order = run_order(list(modes), i)
         outputs = {}
         for name in order:
             drafter, t0 = modes[name], time.perf_counter()

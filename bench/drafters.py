@@ -10,7 +10,7 @@ The target as ``load_pair(target, draft)`` loads it (``dtype="auto"``: the forma
 (``do_sample=False`` and the sampling settings cleared, as eval's greedy), on held-out prompts (the first
 ``--limit`` of ``bench/heldout.jsonl``: standard-library-style completions and "rewrite this function" edits, none
 from HumanEval), ``--new-tokens`` new tokens each. Modes (``--modes``: a subset, in that order), interleaved per
-prompt with the order rotated by one each prompt:
+prompt, in a balanced order (``eval/interleave.py``):
 
 - ``plain``: transformers' own greedy ``generate`` (``type(model).generate``, past ``enable``); the reference
   every output is compared with and the baseline of every speedup;
@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an ins
 
 import torch  # noqa: E402
 
+from eval.interleave import order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from first_call import load_prompts, machine_of, machine_words, write_report  # noqa: E402  (bench/, beside this script)
 from hf_specdec.drafters.early_exit import EarlyExit, exit_candidates  # noqa: E402
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
 
     records = []
     for i, (pid, style, inputs) in enumerate(prompts):
-        order = modes[i % len(modes):] + modes[: i % len(modes)]
+        order = run_order(modes, i)
         results = {}
         for mode in order:
             tokens, seconds, stats, depth = run_mode(args, target, drafts, mode, inputs, common)

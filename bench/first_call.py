@@ -9,7 +9,7 @@ What a new user does: ``load_pair(target, draft)`` (``dtype="auto"``, ``draft_qu
 greedy, on held-out prompts (``bench/heldout.jsonl``: completions of standard-library-style functions from
 their signature and docstring, and "rewrite this function" edits in the chat template; none from HumanEval).
 Nothing is called before the first timed call but what that path calls, so the first call of the process is
-a real first call. Modes, interleaved per prompt (the order rotated by one each prompt):
+a real first call. Modes, interleaved per prompt (a balanced order, ``eval/interleave.py``):
 
 - ``plain``: transformers' own ``generate`` (``type(model).generate``, past ``enable``) in the dtype ``auto``
   chose; the reference every output is compared with.
@@ -30,7 +30,7 @@ a real first call. Modes, interleaved per prompt (the order rotated by one each 
   ``git archive`` and imported as ``hf_specdec_old`` (as ``bench/before_after.py``), over the same
   model objects, in the same interleaved run.
 
-``--repeat N`` runs every mode N times a prompt, the order rotated once more each time, and sums the times: on
+``--repeat N`` runs every mode N times a prompt, each time in the next balanced order, and sums the times: on
 a shared 2-core machine one run of a prompt differs from the next by up to ~15% (the A/A column), more than the
 worst-prompt bar allows. ``after_short`` gets a new ``enable`` and short call each repeat, so no call's memory
 has seen its prompt before.
@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an ins
 
 import torch  # noqa: E402
 
+from eval.interleave import order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from old_commit import import_old  # noqa: E402  (bench/, beside this script)
 
@@ -384,7 +385,7 @@ def main(argv=None) -> int:
     parser.add_argument("--old", default=None, help="an older commit: adds fresh_old and after_short_old")
     parser.add_argument("--modes", default=None, help="comma-separated subset and order (default: all)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run every mode N times per prompt, the order rotated each time; times summed")
+                        help="run every mode N times per prompt, the next balanced order each time; times summed")
     parser.add_argument("--tiny", action="store_true", help="tiny random pair: a smoke run of the script")
     parser.add_argument("--out", default=None, help="folder for first_call.json and first_call.md")
     args = parser.parse_args(argv)
@@ -408,9 +409,8 @@ def main(argv=None) -> int:
         records, first = [], None
         for i, (pid, style, inputs) in enumerate(prompts):
             results, orders = {}, []
-            for rep in range(args.repeat):  # each repeat rotates the order once more: pairs drift less
-                shift = (i + rep) % len(modes)
-                order = modes[shift:] + modes[:shift]
+            for rep in range(args.repeat):  # each repeat takes the next order: pairs drift less
+                order = run_order(modes, i * args.repeat + rep)
                 orders.append(order)
                 for mode in order:
                     tokens, seconds, stats = runner.run(mode, inputs, rep)

@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eval.interleave import order as run_order  # noqa: E402
 from hf_specdec import cache as kv  # noqa: E402
 from hf_specdec.config import AUTO_DRAFT_VOCAB  # noqa: E402
 from hf_specdec.drafters.draft_model import SubVocabHead  # noqa: E402
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     heads = {name: narrowed_head(m, prefix, tokenizer) for name, m in drafts.items()}
     samples: dict = {name: {"full": [], "narrowed": [], "read": []} for name in drafts}
     for rnd in range(args.rounds):
-        order = list(drafts)[rnd % len(drafts):] + list(drafts)[: rnd % len(drafts)]  # rotate the order
+        order = run_order(list(drafts), rnd)  # the next order of a balanced square
         for name in order:
             model = drafts[name]
             samples[name]["full"].append(step_seconds(model, prefix, args.repeats, None))

@@ -4,7 +4,7 @@
     python bench/trees.py --tiny --limit 2 --new-tokens 16                   # smoke run, tiny random pair
 
 The bundled pair as ``load_pair`` loads it (``dtype="auto"``, ``draft_quantize="auto"``), greedy, held-out prompts
-(``bench/heldout.jsonl``, not HumanEval), modes interleaved per prompt with the order rotated by one each prompt:
+(``bench/heldout.jsonl``, not HumanEval), modes interleaved per prompt in a balanced order (``eval/interleave.py``):
 
 - ``plain``: transformers' own ``generate``; the reference every output is compared with;
 - ``off`` / ``auto`` / ``on``: hf_specdec with ``SpecConfig(tree=...)``, each on its own ``SpeculativeMemory``
@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's hf_specdec and eval, not an installed copy
 
+from eval.interleave import order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from first_call import git, load_prompts, machine_of, write_report  # noqa: E402  (bench/, beside this script)
 from hf_specdec.costmodel import ForwardCost  # noqa: E402
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
 
     records = []
     for i, (pid, style, inputs) in enumerate(prompts):
-        order = modes[i % len(modes):] + modes[: i % len(modes)]
+        order = run_order(modes, i)
         results = {}
         for mode in order:
             start = time.perf_counter()

@@ -249,7 +249,8 @@ def markdown(summary: dict, modes: list[str], plots: list[str]) -> str:
         f"{machine.get('torch')}, transformers {machine.get('transformers')}, hf_specdec {machine.get('hf_specdec')}."
     )
     parts.append(
-        "Modes run interleaved per prompt (plain, A, B, ... for each prompt, then the next prompt), same prompt, "
+        "Modes run interleaved per prompt (every mode on a prompt, then the next prompt; the order balanced over "
+        "prompts so that each mode runs in every position and after every other mode alike), same prompt, "
         "tokenizer, max_new_tokens, dtype and seed for every mode. Throughput = total tokens / total time."
     )
     parts += ["", "## Speed", ""]

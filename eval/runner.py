@@ -1,8 +1,9 @@
 """Interleaved, resumable timing loop.
 
-Order: ``for repeat: for seed: for prompt: for mode`` -- every prompt is decoded by all modes back to back
-(A B C, A B C, ...), so slow drift of the machine (thermal, other load) hits every mode alike; repeats are spread
-over the whole run rather than bunched. Every mode gets the same prompt text, tokenizer, max_new_tokens, dtype and
+Order: ``for repeat: for seed: for prompt: for mode`` -- every prompt is decoded by all modes back to back, so
+slow drift of the machine (thermal, other load) hits every mode alike; repeats are spread over the whole run
+rather than bunched. The modes' order changes from prompt to prompt (``interleave.py``: A B C, B C A, C A B and
+their mirrors) so that no mode always runs in the same place or right after the same mode. Every mode gets the same prompt text, tokenizer, max_new_tokens, dtype and
 seed (the seed is set right before each call).
 
 Each finished generation is appended to ``OUT/rows.jsonl`` at once (flushed), keyed by
@@ -22,6 +23,8 @@ from tqdm.auto import tqdm
 
 from hf_specdec.harness import warm_up
 
+from .interleave import order
+
 ROWS = "rows.jsonl"
 
 
@@ -30,8 +33,11 @@ def row_key(row: dict[str, Any]) -> tuple:
 
 
 def plan(samples: list, modes: list[str], repeats: int, seeds: list[int]) -> list[tuple[int, int, Any, str]]:
-    """The run order: (repeat, seed, sample, mode) tuples, modes innermost (interleaved per prompt)."""
-    return [(r, seed, s, m) for r in range(repeats) for seed in seeds for s in samples for m in modes]
+    """The run order: (repeat, seed, sample, mode) tuples, modes innermost (interleaved per prompt), the modes of
+    each prompt in the next order of a balanced Latin square (``interleave.order``: over every few prompts each
+    mode runs in every position and right after every other mode equally often)."""
+    prompts = [(r, seed, s) for r in range(repeats) for seed in seeds for s in samples]
+    return [(r, seed, s, m) for i, (r, seed, s) in enumerate(prompts) for m in order(modes, i)]
 
 
 def read_rows(out_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Runner: interleaved order (A B C per prompt), warm-up, error rows, resume after an interruption."""
+"""Runner: interleaved order (every mode per prompt, balanced over prompts), warm-up, error rows, resume after an interruption."""
 
 import json
 
@@ -30,10 +30,12 @@ def test_order_is_interleaved_per_prompt_with_warmup(tmp_path):
                       progress=False)
     warm, timed = gen.calls[:3], gen.calls[3:]
     assert warm == [(m, "p0", 0, 4) for m in MODES]
-    expected = [(m, s.id, 7, None) for _ in range(2) for s in SAMPLES for m in MODES]
+    # three modes: A B C, B C A, C A B, then the mirrors C B A, ... (eval/interleave.py)
+    orders = [["plain", "b", "c"], ["b", "c", "plain"], ["c", "plain", "b"], ["c", "b", "plain"]]
+    expected = [(m, s.id, 7, None) for i, s in enumerate(SAMPLES * 2) for m in orders[i]]
     assert timed == expected
     assert [(r["mode"], r["prompt_id"], r["repeat"]) for r in rows] == [
-        (m, s.id, r) for r in range(2) for s in SAMPLES for m in MODES]
+        (m, s.id, i // 2) for i, s in enumerate(SAMPLES * 2) for m in orders[i]]
     assert len(runner.read_rows(tmp_path)) == 12
 
 
@@ -47,7 +49,7 @@ def test_resume_skips_done_rows(tmp_path):
         fh.write('{"task": "t", "prompt_id"')
     gen2 = FakeGen()
     rows = runner.run(gen2, SAMPLES, MODES, tmp_path, repeats=1, warmup_rounds=0, progress=False)
-    assert [(c[0], c[1]) for c in gen2.calls] == [("plain", "p1"), ("b", "p1"), ("c", "p1")]
+    assert [(c[0], c[1]) for c in gen2.calls] == [("b", "p1"), ("c", "p1"), ("plain", "p1")]  # p1's order
     keys = [runner.row_key(r) for r in rows]
     assert len(keys) == len(set(keys)) == 6
     # nothing left: a third run decodes nothing (and skips the warm-up)
@@ -71,4 +73,4 @@ def test_plan_seeds_and_repeats():
     plan = runner.plan(SAMPLES, ["a", "b"], repeats=2, seeds=[0, 1])
     assert len(plan) == 2 * 2 * 2 * 2
     assert [(r, s, smp.id, m) for r, s, smp, m in plan[:4]] == [
-        (0, 0, "p0", "a"), (0, 0, "p0", "b"), (0, 0, "p1", "a"), (0, 0, "p1", "b")]
+        (0, 0, "p0", "a"), (0, 0, "p0", "b"), (0, 0, "p1", "b"), (0, 0, "p1", "a")]  # b follows a, then a b
