@@ -4,7 +4,6 @@ and unknown names are refused with the valid choices."""
 
 from __future__ import annotations
 
-import doctest
 import json
 import shutil
 
@@ -42,9 +41,6 @@ def run(teacher, tmp_path_factory):
                      tokenizer=char_tokenizer(), **RUN)
     return report, out
 
-
-def test_doctests():
-    assert doctest.testmod(distill_module).failed == 0
 
 
 def test_distillation_raises_greedy_agreement(run):
