@@ -215,7 +215,8 @@ def table(record: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=lambda text: [int(x) for x in text.split(",")], default=[4, 8, 12])
+    parser.add_argument("--layers", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                        help="comma-separated N (default 4,8,12; 2,4 of the tiny model's 6 with --tiny)")
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--steps", type=int, default=9)
@@ -225,6 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fixed", action="store_true", help="also the fixed policy, 4 draft tokens a round")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.layers is None:
+        args.layers = [2, 4] if args.tiny else [4, 8, 12]
     record = run(args)
     import transformers
 

@@ -176,10 +176,10 @@ def measure_overhead(target, t_n: dict, vocab: int, ks: tuple[int, ...], new_tok
                     counter = ForwardCount(target)
                     with torch.inference_mode():
                         if name == "hf_specdec":
-                            _, seconds = timed(lambda: target.generate(
+                            out, seconds = timed(lambda: target.generate(
                                 **kwargs, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
-                                spec_config=config), device)
-                            verify_forwards = target.last_spec_stats.rounds
+                                spec_config=config, return_dict_in_generate=True), device)
+                            verify_forwards = out.spec_stats.rounds
                         else:
                             _, seconds = timed(lambda: type(target).generate(target, **kwargs,
                                                                               assistant_model=draft), device)
@@ -219,7 +219,7 @@ def _interpolate(table_ms: dict, n: int) -> float:
 # -- 4. a scripted drafter with set acceptance ----------------------------------------------------------------------
 class ScriptedDrafter:
     """Proposes the plain greedy continuation, right for ``right`` tokens of each proposal and wrong after (the
-    batch Drafter protocol: prefill / offer / propose / update / release; one row)."""
+    batch Drafter protocol of ``hf_specdec/drafters/base.py``; one row; it holds no cache)."""
 
     def __init__(self, reference: torch.LongTensor, right: int, vocab: int):
         self.reference, self.right, self.vocab = reference[0].cpu(), right, vocab
@@ -233,7 +233,7 @@ class ScriptedDrafter:
         return [Offer(model_tokens=view.budget) for view in views]
 
     def propose(self, views, plans):
-        from hf_specdec.round import Proposal, Source
+        from hf_specdec.round import Proposal, Source, SourceKind
 
         proposals = []
         for view, plan in zip(views, plans):
@@ -242,12 +242,15 @@ class ScriptedDrafter:
             tokens = self.reference[begin: begin + plan.model_tokens].clone()
             tokens[self.right:] = (tokens[self.right:] + 1) % self.vocab  # wrong from position right + 1 on
             n = tokens.shape[0]
-            proposals.append(Proposal.chain(tokens.tolist(), [Source("draft", 0, i) for i in range(1, n + 1)],
+            proposals.append(Proposal.chain(tokens.tolist(), [Source(SourceKind.DRAFT, 0, i) for i in range(1, n + 1)],
                                             confidences=(0.9,) * n, draft_time=time.perf_counter() - start))
         return proposals
 
     def update(self, outcomes):
         pass
+
+    def cache_bytes(self):
+        return 0
 
     def release(self):
         pass
@@ -279,11 +282,11 @@ def measure_scripted(target, vocab: int, rights: tuple[int, ...], k: int, new_to
                 with torch.inference_mode():
                     out, seconds = timed(lambda: target.generate(
                         **kwargs, custom_generate=hf_specdec.speculative_generate, draft_model=drafter,
-                        spec_config=config), device)
-                identical &= bool(torch.equal(out, expected))
+                        spec_config=config, return_dict_in_generate=True), device)
+                identical &= bool(torch.equal(out.sequences, expected))
                 if run:
                     samples.append(seconds)
-            stats = target.last_spec_stats
+            stats = out.spec_stats
             seconds = statistics.median(samples)
             rows.append({"mode": f"scripted_{policy}", "right": right, "k": k, "seconds": seconds,
                          "tokens_per_s": new_tokens / seconds, "speedup_vs_plain": plain / seconds,
