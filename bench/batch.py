@@ -3,9 +3,10 @@
     python bench/batch.py --batches 1,2,4,8 --prompts 8 --new 64 --json results/batch.json
 
 A script, not a test. HumanEval prompts (completion style), left-padded into batches of B; for each batch size
-every mode decodes the same batches, modes in a balanced order per batch (``eval/interleave.py``), after a warm-up. Throughput = all rows' new tokens
-(until each row's EOS or the limit) / total seconds. Greedy; every row of every mode is checked against plain
-batched generate on the same padded batch (bf16 near-ties may legitimately flip a token; fp32 is exact).
+every mode decodes the same batches, modes in a balanced order per batch (``eval/interleave.py``), after a
+warm-up. Throughput = all rows' new tokens (until each row's EOS or the limit) / total seconds. Greedy; every
+row of every mode is checked against plain batched generate on the same padded batch (bf16 near-ties may
+legitimately flip a token; fp32 is exact).
 Speculative modes share the target's speculative memory (``enable(model)``: measured costs and acceptance, as a
 server would), seeded from the cached hardware profile as the harness seeds it (``harness.seed_memory``: the
 target's t(n), the draft step by rows); ``speculative_one_k`` (``--modes``) is the configuration without the

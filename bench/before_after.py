@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eval/, when run as bench/before_after.py
 
-from eval.interleave import order as run_order  # noqa: E402
+from eval.interleave import balanced, order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from hf_specdec.memory import EstimatesFrom, Seeding  # noqa: E402
 from old_commit import import_old  # noqa: E402  (bench/, beside this script)
@@ -173,6 +173,7 @@ def main(argv=None) -> int:
     report = {
         "decoding": args.decoding, "task": args.task, "old": args.old, "prompts": len(samples),
         "new_tokens": args.new_tokens, "cold": args.cold, "loaded": loaded,
+        "balanced_order": balanced(modes, len(samples)),  # whole Latin squares: every position and predecessor alike
         "tokens_per_s": {mode: round(r, 3) for mode, r in rate.items()},
         **{f"{mode}_vs_old": round(rate[mode] / rate["old"], 3) for mode in ("new", "old_again")
            if mode in rate and "old" in rate},

@@ -1,10 +1,10 @@
 """The order the modes of a comparison run in, prompt by prompt: rows of a balanced Latin square.
 
-A timed call is not independent of the call before it: on the 2-core CPUs here, the mode that ran right after
-plain ``generate`` was measured ~3% faster than the same code elsewhere in the order (docs/benchmarks.md, stop
-33: the same before/after run gave the new code 0.967x the old with old right after plain on 3 of 5 prompts,
-1.001x with the two swapped). Rotating the order by one each prompt puts every mode in every position, but each
-mode always behind the same neighbour; a fixed order does neither.
+A timed call is not independent of its place in the order: on the 2-core CPUs here, swapping two modes in a
+before/after run, and nothing else, moved their ratio from 0.967x to 1.001x (docs/benchmarks.md, stop 33; the
+order rotated by one per prompt had put the old code right after plain ``generate`` on 3 of 5 prompts). Rotating
+the order by one each prompt puts every mode in every position, but each mode always behind the same neighbour;
+a fixed order does neither.
 
 Williams' design (Williams 1949, "Experimental designs balanced for the estimation of residual effects of
 treatments") fixes both: over every ``len(williams_rows(n))`` consecutive prompts each mode runs once in every
