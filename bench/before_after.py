@@ -12,10 +12,10 @@ A/A column"). The old commit's package is exported with ``git archive`` and impo
 whole run, as ``enable`` would (``old_again`` is the old commit with a memory of its own: how far two runs of the
 same code differ); ``new_unseeded`` (not in the default) is this checkout with a memory that is not seeded from
 the hardware profile (it learns t(n) from its own forwards, as calls did before seeding); ``--cold`` gives every
-call a fresh memory instead. Every mode decodes one warm-up call first
-(the existing presets warm up; ``bench/first_call.py`` measures the calls without one). Modes run in a balanced order per
-prompt (``eval/interleave.py``: run a multiple of 4 prompts for 4 modes); throughput = total new tokens / total seconds. A forward hook counts target forwards, their inputs and
-the plain (one-input) ones: where a difference comes from.
+call a fresh memory instead. Every mode decodes one warm-up call first (the existing presets warm up;
+``bench/first_call.py`` measures the calls without one). Modes run in a balanced order per prompt
+(``eval/interleave.py``: run a multiple of 4 prompts for 4 modes); throughput = total new tokens / total seconds.
+A forward hook counts target forwards, their inputs and the plain (one-input) ones: where a difference comes from.
 """
 
 from __future__ import annotations

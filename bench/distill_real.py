@@ -26,8 +26,9 @@ Stages (``--stage``, each reads what the earlier ones wrote in OUT; ``all`` runs
 5. ``speed`` (not in ``all``): what a user sees. The pair as ``load_pair`` loads it (``auto``), the distilled
    drafter in the 0.5B draft's chosen format; plain ``generate``, then the README path with each drafter (a
    fresh ``enable`` before every call: a script's first call, no warm-up), interleaved per held-out prompt
-   (``--spec-prompts``, ``--speed-tokens`` new tokens) in a balanced order (``eval/interleave.py``); total tokens over total seconds,
-   acceptance, and c as measured in those calls (draft seconds per draft forward over plain seconds per token).
+   (``--spec-prompts``, ``--speed-tokens`` new tokens) in a balanced order (``eval/interleave.py``); total tokens
+   over total seconds, acceptance, and c as measured in those calls (draft seconds per draft forward over plain
+   seconds per token).
 
 Prompts: training from HumanEval (``--train`` completion prompts from problem 0, ``--train-chat`` chat prompts from
 problem ``--train``), held out: the first ``--heldout`` of bench/heldout.jsonl (not from HumanEval); each cut to

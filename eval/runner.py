@@ -3,8 +3,8 @@
 Order: ``for repeat: for seed: for prompt: for mode`` -- every prompt is decoded by all modes back to back, so
 slow drift of the machine (thermal, other load) hits every mode alike; repeats are spread over the whole run
 rather than bunched. The modes' order changes from prompt to prompt (``interleave.py``: A B C, B C A, C A B and
-their mirrors) so that no mode always runs in the same place or right after the same mode. Every mode gets the same prompt text, tokenizer, max_new_tokens, dtype and
-seed (the seed is set right before each call).
+their mirrors) so that no mode always runs in the same place or right after the same mode. Every mode gets the
+same prompt text, tokenizer, max_new_tokens, dtype and seed (the seed is set right before each call).
 
 Each finished generation is appended to ``OUT/rows.jsonl`` at once (flushed), keyed by
 ``(task, prompt_id, mode, repeat, seed)``; a rerun with the same ``--out`` skips the keys already there.

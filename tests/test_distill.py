@@ -42,7 +42,6 @@ def run(teacher, tmp_path_factory):
     return report, out
 
 
-
 def test_distillation_raises_greedy_agreement(run):
     report, out = run
     assert report.steps == STEPS and report.tokens == STEPS * 4 * 16  # 4 sequences of 16 continuation tokens

@@ -1,4 +1,5 @@
-"""Runner: interleaved order (every mode per prompt, balanced over prompts), warm-up, error rows, resume after an interruption."""
+"""Runner: interleaved order (every mode per prompt, balanced over prompts), warm-up, error rows, resume after an
+interruption."""
 
 import json
 
