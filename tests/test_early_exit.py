@@ -194,11 +194,13 @@ def test_custom_generate_and_generation_config_routes(early_target, costs):
     out = early_target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, draft_model=EarlyExit(2),
                                 max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, expected)
-    assert early_target.last_spec_stats.drafted > 0
+    stats = early_target.last_spec_stats.get()  # the view's own tokens (not prompt lookup's) drafted and kept
+    assert stats.drafted - stats.lookup_drafted > 0 and stats.accepted - stats.lookup_accepted > 0
     config = GenerationConfig(assistant_early_exit=2, max_new_tokens=NEW, do_sample=False)
     out = enabled(early_target).generate(PROMPT, generation_config=config)
     assert torch.equal(out, expected)
-    assert early_target.last_spec_stats.get() is not None and early_target.last_spec_stats.drafted > 0
+    stats = early_target.last_spec_stats.get()
+    assert stats is not None and stats.drafted - stats.lookup_drafted > 0 and stats.accepted - stats.lookup_accepted > 0
 
 
 def test_memory_keeps_one_estimate_per_exit_layer(early_target, costs):

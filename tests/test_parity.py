@@ -15,6 +15,11 @@ def plain(model, prompt, **kwargs):
     return type(model).generate(model, prompt, max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
+def by_draft_model(stats):
+    """(drafted, accepted) counting only the draft model's tokens: prompt-lookup tokens riding along are left out."""
+    return stats.drafted - stats.lookup_drafted, stats.accepted - stats.lookup_accepted
+
+
 def paying(draft):
     """Injected costs under which drafting clearly pays (flat target forwards, a draft step 1% of one), so the
     adaptive policy drafts on any machine and a parity test cannot pass without drafting."""
@@ -37,7 +42,7 @@ def test_draft_equal_to_target_accepts_everything(target, prompt, policy):
     stats = target.last_spec_stats.get()
     # every first choice the draft model proposed is accepted (prompt-lookup tokens riding along may not be, nor
     # the second choices of a tree, which the adaptive policy grows under these flat costs)
-    assert stats.drafted > stats.lookup_drafted
+    assert by_draft_model(stats)[0] > 0
     first_choices = [key for key in stats.judged_by_depth_rank if key[1] == 0]
     assert first_choices and all(stats.accepted_by_depth_rank[key] == stats.judged_by_depth_rank[key]
                                  for key in first_choices)
@@ -51,15 +56,17 @@ def test_draft_equal_to_target_accepts_everything(target, prompt, policy):
 def test_random_draft_accepts_almost_nothing(target, random_draft, prompt, policy):
     out = speculative(target, random_draft, prompt, policy)
     assert torch.equal(out, plain(target, prompt))
-    assert target.last_spec_stats.new_tokens == NEW and target.last_spec_stats.drafted > 0
+    stats = target.last_spec_stats.get()
+    drafted, accepted = by_draft_model(stats)
+    assert stats.new_tokens == NEW and drafted > 0 and accepted <= 0.05 * drafted, (drafted, accepted)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_perturbed_draft_partial_acceptance(target, close_draft, prompt, policy):
     out = speculative(target, close_draft, prompt, policy)
     assert torch.equal(out, plain(target, prompt))
-    stats = target.last_spec_stats.get()
-    assert 0 < stats.accepted < stats.drafted  # adaptive too: the injected costs make drafting pay
+    drafted, accepted = by_draft_model(target.last_spec_stats.get())
+    assert 0 < accepted < drafted, (drafted, accepted)  # adaptive too: the injected costs make drafting pay
 
 
 class ScriptedDrafter:
@@ -112,10 +119,11 @@ def test_scripted_partial_acceptance(target, prompt, right, policy):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_parity_across_architectures(arch, prompt):
     model = tiny_model(arch, seed=4)
-    draft = perturbed_copy(model, 0.02)
+    draft = perturbed_copy(model, 0.005)  # close enough that each architecture's draft has tokens kept
     for policy in POLICIES:
         assert torch.equal(speculative(model, draft, prompt, policy), plain(model, prompt)), policy
-        assert model.last_spec_stats.drafted > 0, policy
+        drafted, accepted = by_draft_model(model.last_spec_stats.get())
+        assert drafted > 0 and accepted > 0, (policy, drafted, accepted)
 
 
 def test_parity_with_processors_repetition_penalty(target, close_draft, prompt):
@@ -123,7 +131,8 @@ def test_parity_with_processors_repetition_penalty(target, close_draft, prompt):
     penalized = plain(target, prompt, **kwargs)
     assert not torch.equal(penalized, plain(target, prompt))  # the processors change this model's output
     assert torch.equal(speculative(target, close_draft, prompt, "adaptive", **kwargs), penalized)
-    assert target.last_spec_stats.accepted > 0
+    drafted, accepted = by_draft_model(target.last_spec_stats.get())
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
 
 
 def test_enable_routes_assistant_model_and_leaves_plain_calls_alone(prompt):
@@ -148,7 +157,8 @@ def test_left_padded_single_prompt(target, close_draft, prompt):
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(prompt)], dim=1)
     out = speculative(target, close_draft, padded, "adaptive", attention_mask=mask)
     assert torch.equal(out[:, 3:], plain(target, prompt))
-    assert target.last_spec_stats.accepted > 0
+    drafted, accepted = by_draft_model(target.last_spec_stats.get())
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
 
 
 def test_adaptive_policy_turns_speculation_off_for_a_useless_draft(target, random_draft, prompt, monkeypatch):
