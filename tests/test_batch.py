@@ -8,10 +8,15 @@ showing up as repeated tokens or garbage) are what these compare against: any dr
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import LogitsProcessorList
 
 import hf_specdec
+from hf_specdec.drafters.base import ChainDrafter, PerRow
+from hf_specdec.drafters.draft_model import DraftModelDrafter
+from hf_specdec.drafters.prompt_lookup import PromptLookupDrafter
+from hf_specdec.round import SourceKind
 from tests.clock import VirtualClock
-from tests.conftest import perturbed_copy, tiny_model
+from tests.conftest import VOCAB, perturbed_copy, tiny_model
 
 NEW = 24
 PROMPTS = [[5, 17, 42, 8, 23, 61, 2, 9], [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4], [11, 12], [40, 41, 42, 43, 44],
@@ -35,9 +40,53 @@ def plain(model, ids, mask, **kwargs):
 
 
 def speculative(model, draft, ids, mask, policy="adaptive", **kwargs):
+    kwargs.setdefault("spec_config", hf_specdec.SpecConfig(policy=policy))
     return model.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
-                          spec_config=hf_specdec.SpecConfig(policy=policy), max_new_tokens=NEW, do_sample=False,
-                          pad_token_id=PAD, **kwargs)
+                          max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **kwargs)
+
+
+FIXED = {"policy": "fixed", "num_draft_tokens": 4}  # drafts 4 tokens every round, whatever this machine's timings
+
+
+class RowCounts:
+    """A ``Drafter`` (drafters/base.py): the draft model's chain drafter with prompt lookup, as
+    ``speculative_generate`` builds it for a greedy call, passed through; it counts per row of the batch the draft
+    model's tokens drafted and kept (prompt lookup's left out, as ``SpecStats.lookup_drafted`` leaves them out)
+    and the rounds whose accepted block a stop cut short."""
+
+    def __init__(self, draft, rows: int):
+        self.inner = ChainDrafter(DraftModelDrafter(draft, LogitsProcessorList(), do_sample=False, vocab_size=VOCAB,
+                                                    pad_token_id=PAD), PerRow(PromptLookupDrafter))
+        self.drafted, self.accepted, self.cut = [0] * rows, [0] * rows, [0] * rows
+
+    def prefill(self, views):
+        self.inner.prefill(views)
+
+    def offer(self, views):
+        return self.inner.offer(views)
+
+    def propose(self, views, plans):
+        return self.inner.propose(views, plans)
+
+    def update(self, outcomes):
+        for outcome in outcomes:
+            by_model = [any(source.kind == SourceKind.DRAFT for source in sources)
+                        for sources in outcome.proposal.sources]
+            self.drafted[outcome.row] += sum(by_model)
+            self.accepted[outcome.row] += sum(by_model[node] for node in outcome.accepted)
+            self.cut[outcome.row] += len(outcome.emitted) < outcome.num_accepted + 1
+        self.inner.update(outcomes)
+
+    def cache_bytes(self):
+        return self.inner.cache_bytes()
+
+    def release(self):
+        self.inner.release()
+
+
+def by_draft_model(stats):
+    """(drafted, accepted) of the call counting only the draft model's tokens, not prompt lookup's."""
+    return stats.drafted - stats.lookup_drafted, stats.accepted - stats.lookup_accepted
 
 
 def lookahead(model, ids, mask, **kwargs):
@@ -86,28 +135,46 @@ def test_batched_lookahead_equals_plain_batched_generate(model, rows, monkeypatc
     assert model.last_spec_stats.accepted > 0
 
 
-def test_rows_stop_at_their_own_eos_and_are_padded_as_plain_generate_pads(model):
+def test_rows_stop_at_their_own_eos_and_are_padded_as_plain_generate_pads(model, monkeypatch):
+    """The fixed policy drafts 4 tokens a round, so a row's EOS arrives inside an accepted block and must cut it;
+    each row drafts and keeps the draft model's tokens (counted per row), not plain steps only."""
     ids, mask = left_padded(PROMPTS[:4])
     free = plain(model, ids, mask)
-    eos = int(free[0, ids.shape[1] + 5])  # row 0 stops early; the others at this token or at the length limit
+    eos = int(free[0, ids.shape[1] + 4])  # row 0 stops early; the others at this token or at the length limit
     expected = plain(model, ids, mask, eos_token_id=eos)
     lengths = (expected[:, ids.shape[1]:] != PAD).sum(-1)
     assert len(set(lengths.tolist())) > 1, "the rows must stop at different times for this test to mean anything"
-    assert torch.equal(speculative(model, model, ids, mask, eos_token_id=eos), expected)
-    assert torch.equal(speculative(model, perturbed_copy(model, 0.02), ids, mask, eos_token_id=eos), expected)
+    for draft in (model, perturbed_copy(model, 0.005)):
+        assert torch.equal(speculative(model, draft, ids, mask, spec_config=FIXED, eos_token_id=eos), expected)
+        drafted, accepted = by_draft_model(model.last_spec_stats.get())
+        assert drafted > 0 and accepted > 0, (drafted, accepted)
+        counts = RowCounts(draft, rows=4)
+        assert torch.equal(speculative(model, counts, ids, mask, spec_config=FIXED, eos_token_id=eos), expected)
+        assert all(counts.drafted) and all(counts.accepted), (counts.drafted, counts.accepted)
+        assert counts.cut[0] == 1, counts.cut  # row 0's EOS (its 5th token) came inside an accepted block and cut it
+    clock = VirtualClock(monkeypatch)  # injected flat costs: lookahead guesses on any machine
+    clock.charge(monkeypatch, model, lambda n: 1.0)
     assert torch.equal(lookahead(model, ids, mask, eos_token_id=eos), expected)
+    assert model.last_spec_stats.drafted > 0
 
 
 def test_each_row_matches_its_own_unpadded_run(model):
-    """Padding changes nothing but float rounding: each row equals the prompt generated alone (fp32)."""
+    """Padding changes nothing but float rounding: each row equals the prompt generated alone (fp32), with the
+    draft model's tokens drafted and kept in every row (the fixed policy drafts every round)."""
     ids, mask = left_padded(PROMPTS[:4])
-    out = speculative(model, perturbed_copy(model, 0.02), ids, mask)
+    draft = perturbed_copy(model, 0.005)
+    out = speculative(model, draft, ids, mask, spec_config=FIXED)
+    drafted, accepted = by_draft_model(model.last_spec_stats.get())
+    assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
+    counts = RowCounts(draft, rows=4)
+    assert torch.equal(speculative(model, counts, ids, mask, spec_config=FIXED), out)
+    assert all(counts.drafted) and all(counts.accepted), (counts.drafted, counts.accepted)
     for row, prompt in enumerate(PROMPTS[:4]):
         alone = plain(model, torch.tensor([prompt]), None)
         assert out[row, ids.shape[1]:].tolist() == alone[0, len(prompt):].tolist(), row
 
 
-def test_streaming_and_scores_are_refused_for_a_batch(model):
+def test_streaming_is_refused_for_a_batch(model):
     ids, mask = left_padded(PROMPTS[:2])
 
     class Streamer:
@@ -117,12 +184,9 @@ def test_streaming_and_scores_are_refused_for_a_batch(model):
         def end(self):
             pass
 
-    with pytest.raises(ValueError, match="cannot stream them or return per-step scores"):
+    with pytest.raises(ValueError, match=r"so hf_specdec cannot stream them \(streamer=\)"):
         model.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate, draft_model=model,
                        spec_streamer=Streamer(), max_new_tokens=4, pad_token_id=PAD)
-    with pytest.raises(ValueError, match="cannot stream them or return per-step scores"):
-        model.generate(ids, attention_mask=mask, custom_generate=hf_specdec.lookahead_generate, max_new_tokens=4,
-                       pad_token_id=PAD, output_scores=True, return_dict_in_generate=True)
 
 
 def test_batched_sampling_keeps_each_rows_distribution():
