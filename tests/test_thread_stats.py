@@ -69,10 +69,31 @@ def test_a_call_that_raises_leaves_no_stale_stats(pair, prompt):
 
 
 def test_the_callable_without_enable_keeps_stats_per_thread_too(prompt):
+    """``custom_generate=speculative_generate`` on a model hf_specdec was not enabled on: a call on another thread
+    leaves this thread's stats alone, and that thread reads its own."""
     model = tiny_model("llama", seed=0)
-    model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=model, max_new_tokens=4,
-                   do_sample=False)
+
+    def call(new):
+        model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=model,
+                       max_new_tokens=new, do_sample=False)
+        return model.last_spec_stats.get()
+
+    mine = call(4)
     assert isinstance(model.last_spec_stats, LastSpecStats) and model.last_spec_stats.new_tokens == 4
+    theirs, errors = [], []
+
+    def other():
+        try:
+            theirs.append(call(7))
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert theirs[0].new_tokens == 7 and theirs[0] is not mine  # the other thread read its own call's stats
+    assert model.last_spec_stats.get() is mine and model.last_spec_stats.new_tokens == 4  # and left this thread's
     with pytest.raises(ValueError):
         model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=model, max_new_tokens=4,
                        num_beams=2)
