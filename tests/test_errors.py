@@ -13,9 +13,12 @@ def model():
     return hf_specdec.enable(tiny_model("llama", seed=0))
 
 
-def test_beam_search(model, prompt):
-    with pytest.raises(ValueError, match="beam search"):
-        model.generate(prompt, assistant_model=model, num_beams=2, max_new_tokens=3)
+def test_beam_search_through_the_callable(model, prompt):
+    """Called directly (no route_generate to hand it to transformers), the callable refuses beams; through
+    enable(model) they run transformers' beam search (tests/test_output_flags.py)."""
+    with pytest.raises(ValueError, match=r"hf_specdec does not do beam search .* which runs transformers' beam"):
+        model.generate(prompt, custom_generate=hf_specdec.speculative_generate, draft_model=model, num_beams=2,
+                       max_new_tokens=3)
 
 
 def test_static_cache(model, prompt):
