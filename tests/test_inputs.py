@@ -1,14 +1,20 @@
 """Every input and flag generate() takes is carried as plain generate() carries it, or refused before any forward
 with an error that names it and says what to do: nothing is dropped silently."""
 
+import copy
+from collections import Counter
+
 import pytest
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 import hf_specdec
 from tests.conftest import perturbed_copy, tiny_model
+from tests.test_sampling import (DRAWS, NEW as SAMPLED_NEW, PROMPT as SAMPLED_PROMPT, SAMPLING, V, assert_fits,
+                                 exact_distribution, processors)
 
 NEW = 24
+FIXED = hf_specdec.SpecConfig(policy="fixed", num_draft_tokens=4)  # drafts every round, whatever the timings
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +50,74 @@ class CountForwards:
         self.count += 1
 
 
+TYPES = torch.tensor([[0, 0, 0, 1, 1, 1, 11, 11]])  # the prompt's token types: every new token is of type 11
+
+
+def typed_batch(prompt, batch):
+    """One prompt with its types, or two left-padded rows (the second 3 tokens shorter, its last type 5)."""
+    if batch == 1:
+        return prompt, TYPES, None
+    ids = torch.cat([prompt, torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt[:, 3:]], dim=1)])
+    types = torch.cat([TYPES, torch.tensor([[0, 0, 0, 2, 2, 4, 4, 5]])])
+    return ids, types, torch.tensor([[1] * 8, [0] * 3 + [1] * 5])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
-def test_token_type_ids_are_refused_before_any_forward(gpt2, prompt, mode):
-    token_type_ids = torch.ones_like(prompt)
-    plain = gpt2.generate(prompt, max_new_tokens=NEW, do_sample=False)
-    typed = gpt2.generate(prompt, token_type_ids=token_type_ids, max_new_tokens=NEW, do_sample=False)
-    assert not torch.equal(plain, typed)  # plain generate uses them: dropping them would change the output
-    counter = CountForwards(gpt2)
-    try:
-        with pytest.raises(ValueError, match=r"hf_specdec does not pass token_type_ids to the model yet, so its "
-                                             r"output would differ from plain generate\(\); drop it \(e\.g\. "
-                                             r"tokenizer\(\.\.\., return_token_type_ids=False\)\) if your model "
-                                             r"ignores it, or use plain generate\(\)\."):
-            gpt2.generate(prompt, token_type_ids=token_type_ids, max_new_tokens=NEW, do_sample=False,
-                          **modes(gpt2)[mode])
-    finally:
-        counter.handle.remove()
-    assert counter.count == 0
+def test_token_type_ids_equal_plain_generate(gpt2, prompt, mode, batch):
+    """The prompt's types at the prefill, the last one repeated for every new token (drafted, tree node, window
+    input), as plain generate() extends them."""
+    ids, types, mask = typed_batch(prompt, batch)
+    flags = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    expected = type(gpt2).generate(gpt2, ids, token_type_ids=types, **flags)
+    assert not torch.equal(expected, type(gpt2).generate(gpt2, ids, **flags))  # the model reads them
+    routed = dict(assistant_model=perturbed_copy(gpt2, 0.02), spec_config=FIXED) if mode == "speculative" else \
+        modes(gpt2)[mode]
+    out = gpt2.generate(ids, token_type_ids=types, **flags, **routed)
+    assert torch.equal(out, expected)
+    stats = gpt2.last_spec_stats
+    assert stats.accepted > 0 and (mode == "lookahead" or stats.drafted - stats.lookup_drafted > 0), stats
+
+
+def test_a_draft_model_reads_the_token_types(gpt2, prompt):
+    """A draft with the target's weights gets the same types (the prompt's, then the last one): the target keeps
+    every token it drafts."""
+    ids, types, mask = typed_batch(prompt, 2)
+    gpt2.generate(ids, token_type_ids=types, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                  pad_token_id=0, assistant_model=copy.deepcopy(gpt2), spec_config=FIXED)
+    stats = gpt2.last_spec_stats
+    assert stats.accepted == stats.drafted - stats.lookup_drafted > 0, stats
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampling_with_token_type_ids_follows_the_target():
+    """Sampled continuations with token types follow the target's processed distribution given those types (the
+    chi-square test of tests/test_sampling.py), with draft tokens accepted."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, bos_token_id=None,
+                                       eos_token_id=None, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits spread over a few units (random init is almost uniform)
+    hf_specdec.enable(model)
+    draft = perturbed_copy(model, 0.01)
+    types = torch.tensor([[0, 0, 0, 1, 1, 1, 3, 3]])
+
+    def typed(ids):  # the target as plain generate() calls it: the prompt's types, then the last one repeated
+        extra = types[:, -1:].expand(1, ids.shape[1] - types.shape[1])
+        return model(ids, token_type_ids=torch.cat([types, extra], dim=1))
+
+    exact = exact_distribution(typed, SAMPLED_PROMPT, SAMPLED_NEW, processors(**SAMPLING))
+    untyped = exact_distribution(model, SAMPLED_PROMPT, SAMPLED_NEW, processors(**SAMPLING))
+    assert max(abs(exact.get(k, 0.0) - untyped.get(k, 0.0)) for k in exact | untyped) > 0.05  # types matter
+    torch.manual_seed(1)
+    counts, accepted = Counter(), 0
+    for _ in range(DRAWS):
+        out = model.generate(SAMPLED_PROMPT, token_type_ids=types, do_sample=True, max_new_tokens=SAMPLED_NEW,
+                             **SAMPLING, assistant_model=draft, spec_config=FIXED)
+        counts[tuple(out[0, SAMPLED_PROMPT.shape[1]:].tolist())] += 1
+        accepted += model.last_spec_stats.accepted
+    assert accepted > 0
+    assert_fits(counts, exact)
 
 
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
@@ -72,25 +129,81 @@ def test_what_generate_adds_for_a_text_model_is_not_refused(llama, gpt2, prompt,
         assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("name", ["pixel_values", "image_sizes", "input_features", "image_patches"])
-def test_other_model_inputs_are_refused_by_name(llama, prompt, name):
-    draft = perturbed_copy(llama, 0.02)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_inputs_embeds_equal_plain_generate(llama, prompt, mode, batch):
+    """A prompt given as embeddings: the prefill reads them, as plain generate() does, and the sequences hold only
+    the new tokens, as plain's do (the draft and the n-gram pool see the new tokens only)."""
+    ids = prompt if batch == 1 else torch.cat([prompt, torch.cat([torch.zeros(1, 2, dtype=torch.long),
+                                                                  prompt[:, 2:]], dim=1)])
+    mask = None if batch == 1 else torch.tensor([[1] * 8, [0] * 2 + [1] * 6])
+    with torch.no_grad():
+        embeds = llama.get_input_embeddings()(ids)
+    flags = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    expected = type(llama).generate(llama, **flags)
+    assert expected.shape == (batch, NEW)  # plain returns the new tokens only
+    draft = perturbed_copy(llama, 0.1, relative=True)  # close enough to agree without having seen the prompt
+    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(llama)[mode]
+    out = llama.generate(**flags, **routed)
+    assert torch.equal(out, expected)
+    stats = llama.last_spec_stats
+    assert stats.accepted > 0 and (mode == "lookahead" or stats.drafted - stats.lookup_drafted > 0), stats
+
+
+@pytest.mark.parametrize("callable_", [hf_specdec.speculative_generate, hf_specdec.lookahead_generate])
+def test_an_input_it_cannot_carry_is_refused_by_name_before_any_forward(llama, prompt, callable_):
+    """A mask over images that grows by a row with every new token (Mllama's cross_attention_mask)."""
     config = GenerationConfig(num_beams=1, num_return_sequences=1, do_sample=False, max_length=40, use_cache=True)
-    calls = {hf_specdec.speculative_generate: {"draft_model": draft}, hf_specdec.lookahead_generate: {}}
-    for callable_, extra in calls.items():
-        with pytest.raises(ValueError, match=f"does not pass {name} to the model yet"):
-            # through the callable (a multimodal model's generate would validate and forward these)
+    extra = {"draft_model": perturbed_copy(llama, 0.02)} if callable_ is hf_specdec.speculative_generate else {}
+    counter = CountForwards(llama)
+    try:
+        with pytest.raises(ValueError, match=r"hf_specdec cannot pass cross_attention_mask to the model as plain "
+                                             r"generate\(\) does: its rows follow the text tokens, and hf_specdec "
+                                             r"does not grow it over several new tokens per forward\. Use plain "
+                                             r"generate\(\) with cross_attention_mask=\."):
             callable_(llama, prompt, logits_processor=None, stopping_criteria=None, generation_config=config,
-                      **extra, **{name: torch.zeros(1, 3)})
+                      **extra, cross_attention_mask=torch.ones(1, 8, 1, 4))
+    finally:
+        counter.handle.remove()
+    assert counter.count == 0
 
 
-def test_position_ids_other_than_plain_generates_are_refused(llama, prompt):
-    shifted = torch.arange(prompt.shape[1])[None] + 3
-    with pytest.raises(ValueError, match="does not pass position_ids to the model yet"):
-        llama.generate(prompt, position_ids=shifted, max_new_tokens=NEW, do_sample=False, decoding="lookahead")
-    same = torch.arange(prompt.shape[1])[None]
-    out = llama.generate(prompt, position_ids=same, max_new_tokens=NEW, do_sample=False, decoding="lookahead")
-    assert torch.equal(out, type(llama).generate(llama, prompt, max_new_tokens=NEW, do_sample=False))
+def test_a_text_call_asks_the_model_nothing_and_passes_nothing_more(llama, prompt, monkeypatch):
+    """Without token types, images, embeddings or multimodal positions, the call never runs the model's input
+    preparation and its forwards get the loop's own arguments only."""
+    def untouchable(*args, **kwargs):
+        raise AssertionError("prepare_inputs_for_generation called")
+
+    seen = []
+    handle = llama.register_forward_pre_hook(lambda module, args, kwargs: seen.append(sorted(kwargs)),
+                                             with_kwargs=True)
+    monkeypatch.setattr(type(llama), "prepare_inputs_for_generation", untouchable)
+    try:
+        for mode in ("speculative", "lookahead"):
+            llama.generate(prompt, max_new_tokens=8, do_sample=False, **modes(llama)[mode])
+    finally:
+        handle.remove()
+    assert seen and all(set(names) <= {"input_ids", "cache", "use_cache", "logits_to_keep", "position_ids",
+                                       "attention_mask"} for names in seen), seen
+
+
+def test_an_input_whose_steps_change_its_shape_is_refused_by_name():
+    """An input the model's own preparation cuts to the new tokens, which hf_specdec does not know how to carry
+    over several new tokens at once."""
+    from transformers import LlamaForCausalLM
+
+    class Growing(LlamaForCausalLM):
+        def prepare_inputs_for_generation(self, input_ids, **kwargs):
+            inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+            inputs["row_weights"] = inputs["row_weights"][:, -inputs["input_ids"].shape[1]:]  # one per new token
+            return inputs
+
+    model = Growing(tiny_model("llama").config).eval()
+    prompt = torch.tensor([[5, 17, 42]])
+    with pytest.raises(hf_specdec.inputs.UnsupportedInput, match=r"hf_specdec does not know how row_weights grows "
+                                                                 r"with new tokens .*; use plain generate\(\) for this "
+                                                                 r"input\."):
+        hf_specdec.inputs.ModelInputs.from_generate(model, prompt, {"row_weights": torch.ones(1, 3)})
 
 
 @pytest.mark.parametrize("shape", [(1, 3), (1, 11), (2, 8)])
@@ -129,14 +242,6 @@ def test_lookahead_config_with_speculative_is_refused(llama, prompt):
 
 
 # -- output flags ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])
-@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
-def test_attentions_and_hidden_states_are_refused(llama, prompt, flag, mode):
-    with pytest.raises(ValueError, match=rf"does not return per-step .* \({flag}=True\).* Drop {flag}=True"):
-        llama.generate(prompt, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, **{flag: True},
-                       **modes(llama)[mode])
-
-
 @pytest.mark.parametrize("kwargs", [{}, dict(repetition_penalty=1.3)], ids=["raw", "repetition_penalty"])
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
 def test_output_logits_equal_plain_generate(llama, prompt, mode, kwargs):
@@ -173,52 +278,6 @@ class CountAllForwards:
 
     def __exit__(self, *exc):
         self.handle.remove()
-
-
-IMAGE_TOKEN = 95
-
-
-@pytest.fixture(scope="module")
-def llava():
-    """A tiny Llava: a 16x16 image is 4 patches, so 4 image tokens in the prompt."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=2, image_size=16, patch_size=8),
-        text_config=LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
-                                pad_token_id=None),
-        image_token_id=IMAGE_TOKEN)
-    model = LlavaForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    return hf_specdec.enable(model)
-
-
-@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
-def test_image_inputs_are_refused_by_their_name_before_the_image_is_encoded(llava, mode):
-    prompt = torch.tensor([[IMAGE_TOKEN] * 4 + [5, 17, 42, 8]])
-    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        seen, blind = llava(input_ids=prompt, pixel_values=pixels).logits, llava(input_ids=prompt).logits
-    assert not torch.allclose(seen, blind, atol=1e-3)  # the model reads the image: dropping it would change outputs
-    with CountAllForwards() as forwards, pytest.raises(
-            ValueError, match=r"hf_specdec does not pass pixel_values to the model yet, so its output would differ "
-                              r"from plain generate\(\); drop it if your model ignores it, or use plain generate\(\)\."):
-        llava.generate(prompt, pixel_values=pixels, max_new_tokens=8, do_sample=False, **modes(llava)[mode])
-    assert forwards.count == 0  # generate() would have run the vision tower before a refusal from the callable
-
-
-def test_image_inputs_generate_encoded_are_named_as_the_callers(llama, prompt):
-    """Through the callable (no enable), generate() has already turned pixel_values into mm_encoder_outputs: the
-    refusal names what the caller passed."""
-    config = GenerationConfig(num_beams=1, num_return_sequences=1, do_sample=False, max_length=40, use_cache=True)
-    with pytest.raises(ValueError, match=r"hf_specdec does not pass the image / video inputs \(pixel_values, \.\.\.\), "
-                                         r"which generate\(\) encoded into mm_encoder_outputs, to the model yet.*; "
-                                         r"drop them if your model ignores them, or use plain generate\(\)\."):
-        hf_specdec.lookahead_generate(llama, prompt, logits_processor=None, stopping_criteria=None,
-                                      generation_config=config, mm_encoder_outputs={"image": torch.zeros(1, 4, 64)})
 
 
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])

@@ -1,0 +1,232 @@
+"""Decoder-only multimodal models: images read once at the prefill through the model's own input preparation, every
+later forward text only, positions that depend on the images right for every draft and tree position, exactly as
+plain ``generate`` decodes (``hf_specdec/inputs.py``).
+
+Tiny random fp32 models with a hand-built vision tower: a Llava (CLIP patches scattered into 4 image tokens of
+the prompt, 1-D positions) and a Qwen2-VL (image tokens whose M-RoPE positions fold a grid, so every later token
+sits at its text position + ``rope_delta`` on rows 1-3); and a Qwen2-Audio (mel features into 4 audio tokens).
+Each test compares hf_specdec's tokens with plain ``generate``'s, one prompt and a left-padded batch of two, and
+shows that the draft drafted tokens the target kept. A multimodal draft reads the images too (the caller's, passed
+on by ``enable``'s ``generate``); a text-only draft reads their placeholder ids.
+"""
+
+import copy
+import inspect
+
+import pytest
+import torch
+from transformers import (CLIPVisionConfig, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+
+import hf_specdec
+from hf_specdec import SpecConfig
+from tests.conftest import perturbed_copy
+from tests.test_inputs import modes
+from tests.test_tree import assert_every_drafting_round_was_a_tree, charged, paying
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+NEW = 20
+IMAGE, VIDEO, START, END, PAD = 95, 94, 93, 92, 0
+FIXED = SpecConfig(policy="fixed", num_draft_tokens=4)  # drafts every round, whatever this machine's timings
+TREE = SpecConfig(tree="on", history_lookup=False)  # a trie every drafting round (on test_tree's virtual clock)
+STOP = 85  # an end-of-sequence token the Qwen2-VL's row 0 emits second and its row 1 never
+SHARP = 8.0  # the Qwen2-VL's query and key weights scaled by this: random init attends almost uniformly
+TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _plain_config(model):
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        setattr(model.generation_config, name, None)
+    return hf_specdec.enable(model)
+
+
+def _left_padded(rows):
+    width = max(map(len, rows))
+    ids = torch.tensor([[PAD] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
+def _text_draft(model, config_class, model_class):
+    """A text-only causal LM holding the multimodal model's language weights, perturbed: it reads the image
+    tokens as their placeholder ids."""
+    text = model_class(config_class(**TEXT)).eval()
+    weights = {f"model.{name}": value for name, value in model.model.language_model.state_dict().items()}
+    text.load_state_dict({**weights, "lm_head.weight": model.lm_head.weight}, strict=True)
+    return perturbed_copy(text, 0.1, relative=True)
+
+
+def _check(target, ids, kwargs, routed, mode):
+    """hf_specdec's tokens are plain generate's, and the call's draft model (or lookahead) kept some guesses."""
+    expected = type(target).generate(target, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **kwargs)
+    out = target.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **kwargs, **routed)
+    assert torch.equal(out, expected)
+    stats = target.last_spec_stats
+    if mode == "lookahead":
+        assert stats.accepted > 0, stats
+    else:
+        assert stats.drafted - stats.lookup_drafted > 0 and stats.accepted > 0, stats
+    return stats
+
+
+# -- Llava: image tokens in the prompt ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llava():
+    """16x16 images in 8x8 patches: 4 image tokens per image."""
+    torch.manual_seed(0)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=2, image_size=16, patch_size=8),
+                         text_config=LlamaConfig(**TEXT), image_token_id=IMAGE)
+    return _plain_config(LlavaForConditionalGeneration(config).eval())
+
+
+def llava_inputs(batch):
+    rows = [[IMAGE] * 4 + [5, 17, 42, 8, 23, 61], [7, IMAGE, IMAGE, IMAGE, IMAGE, 11, 12]][:batch]
+    ids, mask = _left_padded(rows)
+    pixels = torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    return ids, dict(pixel_values=pixels, attention_mask=mask)
+
+
+def test_the_llava_model_reads_the_image(llava):
+    ids, kwargs = llava_inputs(1)
+    seen = type(llava).generate(llava, ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+    blind = type(llava).generate(llava, ids, max_new_tokens=NEW, do_sample=False)
+    assert not torch.equal(seen, blind)  # dropping or misplacing the image changes the tokens
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_llava_equals_plain_generate(llava, mode, batch):
+    """Speculative with a multimodal draft (a perturbed Llava that reads the images too), and lookahead."""
+    ids, kwargs = llava_inputs(batch)
+    draft = perturbed_copy(llava, 0.1, relative=True)
+    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(llava)[mode]
+    _check(llava, ids, kwargs, routed, mode)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_llava_with_a_text_only_draft(llava, batch):
+    ids, kwargs = llava_inputs(batch)
+    draft = _text_draft(llava, LlamaConfig, LlamaForCausalLM)
+    _check(llava, ids, kwargs, dict(assistant_model=draft, spec_config=FIXED), "speculative")
+
+
+# -- Qwen2-VL: multimodal RoPE --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    """Images of 4x4 patches of 2x2 pixels (2 frames), merged 2x2: 4 image tokens at M-RoPE positions of a 2x2
+    grid, so the text after an image sits 2 positions before its index (rope_delta = -2)."""
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config=dict(**TEXT, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                  "rope_theta": 10000.0}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # sharp attention, so that a token's position (hence rope_delta) changes what it reads
+        for layer in model.model.language_model.layers:
+            layer.self_attn.q_proj.weight.mul_(SHARP)
+            layer.self_attn.k_proj.weight.mul_(SHARP)
+    return _plain_config(model)
+
+
+def qwen2_vl_inputs(batch):
+    """Row 0: a 4x4-patch image (4 tokens on a 2x2 grid, rope_delta -2); row 1: a 4x8-patch one (8 tokens on a 2x4
+    grid, rope_delta -4)."""
+    rows = [[5, START] + [IMAGE] * 4 + [END, 17, 42, 8, 23], [START] + [IMAGE] * 8 + [END, 11, 12]][:batch]
+    ids, mask = _left_padded(rows)
+    grids = torch.tensor([[1, 4, 4], [1, 4, 8]])[:batch]
+    patches = torch.randn(int(grids.prod(-1).sum()), 24, generator=torch.Generator().manual_seed(0))
+    return ids, dict(pixel_values=patches, image_grid_thw=grids, mm_token_type_ids=(ids == IMAGE).int(),
+                     attention_mask=mask)
+
+
+def test_the_qwen2_vl_model_reads_the_image_and_its_positions(qwen2_vl):
+    ids, kwargs = qwen2_vl_inputs(1)
+    seen = type(qwen2_vl).generate(qwen2_vl, ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+    assert int(qwen2_vl.model.rope_deltas[0]) == -2  # later tokens sit 2 positions before their index on rows 1-3
+    blind = type(qwen2_vl).generate(qwen2_vl, ids, max_new_tokens=NEW, do_sample=False)
+    assert not torch.equal(seen, blind)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mode", ["speculative", "lookahead", "tree"])
+def test_qwen2_vl_equals_plain_generate(qwen2_vl, mode, batch, monkeypatch):
+    """Every draft, window and tree position at text position + rope_delta on rows 1-3: chains with a multimodal
+    draft, lookahead's trie and window, and draft-model trees."""
+    ids, kwargs = qwen2_vl_inputs(batch)
+    draft = perturbed_copy(qwen2_vl, 0.1, relative=True)
+    if mode == "speculative":
+        routed = dict(assistant_model=draft, spec_config=FIXED)
+    elif mode == "tree":
+        signature = inspect.signature(qwen2_vl.forward)
+        charged(monkeypatch, qwen2_vl, draft)
+        qwen2_vl.forward.__signature__ = signature  # generate() checks the image inputs against it
+        routed = dict(assistant_model=draft, spec_config=TREE, speculative_memory=paying(draft))
+    else:
+        routed = modes(qwen2_vl)[mode]
+    stats = _check(qwen2_vl, ids, kwargs, routed, "lookahead" if mode == "lookahead" else "speculative")
+    if mode == "tree":
+        assert_every_drafting_round_was_a_tree(stats)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_qwen2_vl_rows_that_stop_take_their_positions_along(qwen2_vl, mode):
+    """Row 0 stops at its second token (STOP, which row 1 never emits); row 1 goes on alone at its own
+    rope_delta (-4, not row 0's -2)."""
+    ids, kwargs = qwen2_vl_inputs(2)
+    draft = perturbed_copy(qwen2_vl, 0.1, relative=True)
+    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(qwen2_vl)[mode]
+    _check(qwen2_vl, ids, dict(kwargs, eos_token_id=STOP), routed, mode)
+    out = type(qwen2_vl).generate(qwen2_vl, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                                  eos_token_id=STOP, **kwargs)
+    width = ids.shape[1]
+    assert out[0, width + 1] == STOP and bool((out[0, width + 2:] == PAD).all()) and STOP not in out[1, width:]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen2_vl_with_a_text_only_draft(qwen2_vl, batch):
+    ids, kwargs = qwen2_vl_inputs(batch)
+    draft = _text_draft(qwen2_vl, Qwen2Config, Qwen2ForCausalLM)
+    _check(qwen2_vl, ids, kwargs, dict(assistant_model=draft, spec_config=FIXED), "speculative")
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_a_multimodal_draft_reads_the_images_at_their_positions(name, request):
+    """A draft with the target's own weights reads the images and their positions as the target does: the target
+    keeps every token it drafts (reading the placeholder ids instead, it would not)."""
+    target = request.getfixturevalue(name)
+    ids, kwargs = (llava_inputs if name == "llava" else qwen2_vl_inputs)(2)
+    stats = _check(target, ids, kwargs, dict(assistant_model=copy.deepcopy(target), spec_config=FIXED),
+                   "speculative")
+    assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
+
+
+# -- Qwen2-Audio: audio features in the prompt ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen2_audio():
+    """16 mel frames (16 bins) are 4 audio tokens after the encoder's stride and pooling."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2AudioConfig(audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2,
+                                                encoder_ffn_dim=32, d_model=16, max_source_positions=8),
+                              text_config=dict(model_type="qwen2", **TEXT), audio_token_index=IMAGE)
+    return _plain_config(Qwen2AudioForConditionalGeneration(config).eval())
+
+
+def test_qwen2_audio_equals_plain_generate_and_its_draft_hears_the_audio(qwen2_audio):
+    """Audio features read at the prefill by the target and by a draft of the same weights (which then has every
+    token it drafts kept). The model has no 4-D tree mask, so lookahead is refused for it (support.py)."""
+    ids = torch.tensor([[5, 7] + [IMAGE] * 4 + [17, 42, 8, 23]])
+    kwargs = dict(input_features=torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(0)),
+                  feature_attention_mask=torch.ones(1, 16, dtype=torch.long))
+    deaf = type(qwen2_audio).generate(qwen2_audio, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    routed = dict(assistant_model=copy.deepcopy(qwen2_audio), spec_config=FIXED)
+    stats = _check(qwen2_audio, ids, kwargs, routed, "speculative")
+    assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
+    assert not torch.equal(deaf, type(qwen2_audio).generate(qwen2_audio, ids, max_new_tokens=NEW, do_sample=False,
+                                                            pad_token_id=PAD, **kwargs))  # the model hears it
