@@ -1,0 +1,272 @@
+"""A cache passed in, masks with holes and custom ``position_ids``: hf_specdec continues as plain ``generate`` does.
+
+Plain ``generate`` is the reference (transformers' assisted decoding re-reads a cached prefix:
+/work/shared/research/transformers_surface.md 10(b)). For each case, greedy, speculative (a close draft, fixed k)
+and lookahead (a seeded memory): the same sequences as plain, and the cache plain returns (the caller's object
+itself, extended in place, or a fresh one with ``return_dict_in_generate``) equal to plain's: same length, and the
+same keys and values wherever plain's final mask attends (padding and holes are never read). A tiny Llama and a
+tiny Mistral whose layers hold only their sliding window of 8.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
+
+import hf_specdec
+from hf_specdec.models.tiny import perturbed_copy, tiny_model
+from hf_specdec.stats import last_spec_stats
+
+NEW = 12
+FIXED = {"policy": "fixed", "num_draft_tokens": 4}
+PROMPT = torch.tensor([[5, 17, 42, 8, 23, 61, 5, 17, 42, 8, 23, 61]])
+BATCH = torch.tensor([[5, 17, 42, 8, 23, 61, 5, 17, 42, 8, 23, 61],
+                      [0, 0, 0, 9, 33, 71, 12, 9, 33, 71, 12, 9]])
+BATCH_MASK = torch.tensor([[1] * 12, [0, 0, 0] + [1] * 9])
+HOLES = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1],
+                      [0, 0, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1]])
+
+
+def _mistral(seed: int = 0):
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8, max_position_embeddings=512,
+                           eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = MistralForCausalLM(config).eval()
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        setattr(model.generation_config, name, None)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Per architecture, (target, close draft: 5% noise on every weight), the target enabled; Mistral's layers slide
+    over a window of 8 (one prompt at a time: hf_specdec refuses batches of sliding-window models up front)."""
+    made = {}
+    for arch, model in (("llama", tiny_model("llama", seed=0)), ("mistral", _mistral())):
+        draft = perturbed_copy(model, 0.05, relative=True)
+        made[arch] = (hf_specdec.enable(model), draft)
+    return made
+
+
+@pytest.fixture(scope="module")
+def llama_pair(pairs):
+    return pairs["llama"]
+
+
+ONE_OR_TWO = [("llama", False), ("llama", True), ("mistral", False)]  # (architecture, batch)
+
+
+def mode(name: str, draft) -> dict:
+    """Each way into hf_specdec, set up to guess from the first round (tests/test_inputs.py ``modes``)."""
+    if name == "speculative":
+        return dict(assistant_model=draft, spec_config=FIXED)
+    pool = hf_specdec.LookaheadMemory()
+    pool.seed({n: 1.0 for n in range(1, 17)})
+    return dict(decoding="lookahead", lookahead_memory=pool)
+
+
+def assert_drafted(model, name: str) -> None:
+    stats = last_spec_stats(model)
+    assert stats is not None and stats.accepted > 0, stats
+    if name == "speculative":
+        assert stats.drafted - stats.lookup_drafted > 0, stats
+
+
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """Plain generate's positions: ``cumsum(mask) - 1``, 0 where masked."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def prefilled(model, ids, mask, columns: int, positions=None) -> DynamicCache:
+    """A cache holding the first ``columns`` columns of ``ids``, from an earlier forward (a chat's earlier turn)."""
+    cache = DynamicCache(config=model.config)
+    positions = positions_of(mask) if positions is None else positions
+    with torch.no_grad():
+        model(ids[:, :columns], attention_mask=mask[:, :columns], position_ids=positions[:, :columns], cache=cache)
+    return cache
+
+
+def assert_same_cache(ours, plain, mask: torch.Tensor, new: int) -> None:
+    """Same type and length; equal keys and values (1e-4) at every column plain's final mask attends to."""
+    assert type(ours) is type(plain)
+    assert ours.get_seq_length() == plain.get_seq_length() == mask.shape[1] + new - 1
+    final = torch.cat([mask.bool(), torch.ones(mask.shape[0], new - 1, dtype=torch.bool)], dim=1)
+    assert len(ours.layers) == len(plain.layers)
+    for mine, theirs in zip(ours.layers, plain.layers):
+        assert mine.keys.shape == theirs.keys.shape and getattr(mine, "record_past", None) == \
+            getattr(theirs, "record_past", None)
+        attended = final[:, final.shape[1] - theirs.keys.shape[2]:]  # a sliding-window layer holds its window
+        for row in range(final.shape[0]):
+            for name in ("keys", "values"):
+                a, b = getattr(mine, name)[row][:, attended[row]], getattr(theirs, name)[row][:, attended[row]]
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def generate_both(model, ids, name, draft, *, mask=None, cache_columns=0, **kwargs):
+    """(plain's output, hf_specdec's output), each with its own cache (prefilled alike when asked)."""
+    outputs = []
+    for extra in ({}, mode(name, draft)):
+        cache = prefilled(model, ids, mask if mask is not None else torch.ones_like(ids), cache_columns,
+                          kwargs.get("position_ids")) if cache_columns else None
+        given = {} if mask is None else {"attention_mask": mask}
+        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, cache=cache,
+                             **given, **kwargs, **extra)
+        if cache is not None:
+            assert out.cache is cache  # the caller's own object, extended in place
+        outputs.append(out)
+    assert_drafted(model, name)
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_chat_turn_continues_from_the_cache(pairs, arch, name):
+    """The first 8 of 12 prompt tokens cached by an earlier forward: the same tokens and cache as plain."""
+    model, draft = pairs[arch]
+    plain, ours = generate_both(model, PROMPT, name, draft, cache_columns=8)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, torch.ones_like(PROMPT), NEW)
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_a_batch_continues_from_the_cache(llama_pair, name):
+    """Two left-padded rows, their first 6 columns cached."""
+    model, draft = llama_pair
+    plain, ours = generate_both(model, BATCH, name, draft, mask=BATCH_MASK, cache_columns=6)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, BATCH_MASK, NEW)
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+@pytest.mark.parametrize(("arch", "batch"), ONE_OR_TWO)
+def test_the_cache_plain_returns_without_one_passed(pairs, arch, name, batch):
+    model, draft = pairs[arch]
+    ids, mask = (BATCH, BATCH_MASK) if batch else (PROMPT, None)
+    plain, ours = generate_both(model, ids, name, draft, mask=mask)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, mask if mask is not None else torch.ones_like(ids), NEW)
+
+
+def test_only_the_uncached_tokens_are_read(llama_pair):
+    """The target's first forward reads the 4 uncached tokens (transformers' assisted decoding reads all 12)."""
+    model, draft = llama_pair
+    widths, cache = [], prefilled(model, PROMPT, torch.ones_like(PROMPT), 8)
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        model.generate(PROMPT, cache=cache, max_new_tokens=NEW, do_sample=False, **mode("speculative", draft))
+    finally:
+        handle.remove()
+    assert widths[0] == 4
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_a_cache_passed_with_only_the_new_tokens(llama_pair, name):
+    """input_ids = the 4 uncached tokens, attention_mask over all 12 columns: plain reads the ids as new tokens."""
+    model, draft = llama_pair
+    outputs = []
+    for extra in ({}, mode(name, draft)):
+        cache = prefilled(model, PROMPT, torch.ones_like(PROMPT), 8)
+        outputs.append(model.generate(PROMPT[:, 8:], attention_mask=torch.ones_like(PROMPT), cache=cache,
+                                      max_new_tokens=NEW, do_sample=False, **extra))
+        assert cache.get_seq_length() == 12 + NEW - 1
+    assert_drafted(model, name)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+@pytest.mark.parametrize(("arch", "batch"), ONE_OR_TWO)
+def test_masks_with_holes(pairs, arch, name, batch):
+    """Zeros after the first real token: masked at plain's positions (cumsum(mask) - 1), in the cache too."""
+    model, draft = pairs[arch]
+    ids, mask = (BATCH, HOLES) if batch else (PROMPT, HOLES[:1])
+    plain, ours = generate_both(model, ids, name, draft, mask=mask)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, mask, NEW)
+    unmasked = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    assert not torch.equal(unmasked, plain.sequences)  # the holes matter
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+@pytest.mark.parametrize(("arch", "batch"), ONE_OR_TWO)
+def test_custom_position_ids(pairs, arch, name, batch):
+    """Positions 3, 5, 7, ... (the batch's second row 3, 6, 9, ..., over its holes too): plain extends them by
+    last + 1 per new token (a uniform shift would change nothing: rotary positions are relative)."""
+    model, draft = pairs[arch]
+    ids, mask = (BATCH, HOLES) if batch else (PROMPT, None)
+    positions = torch.arange(ids.shape[1])[None] * torch.arange(2, 2 + ids.shape[0])[:, None] + 3
+    plain, ours = generate_both(model, ids, name, draft, mask=mask, position_ids=positions)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, mask if mask is not None else torch.ones_like(ids), NEW)
+    default = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    assert not torch.allclose(default.cache.layers[0].keys, plain.cache.layers[0].keys)  # the positions reach the keys
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_custom_positions_with_a_cache_passed_in(llama_pair, name):
+    model, draft = llama_pair
+    positions = torch.arange(12)[None] * 2 + 3
+    plain, ours = generate_both(model, PROMPT, name, draft, cache_columns=8, position_ids=positions)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, torch.ones_like(PROMPT), NEW)
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_rows_that_stop_early_leave_the_cache_plain_leaves(llama_pair, name):
+    """A row that meets EOS early: plain feeds it padding until the last row stops, and its cache holds them."""
+    model, draft = llama_pair
+    rows = model.generate(BATCH, attention_mask=BATCH_MASK, max_new_tokens=NEW, do_sample=False)[:, 12:]
+    eos = next(int(t) for t in rows[0, 1:6] if t not in rows[1].tolist())  # row 0 stops early, row 1 runs on
+    plain, ours = generate_both(model, BATCH, name, draft, mask=BATCH_MASK, cache_columns=6, eos_token_id=eos,
+                                pad_token_id=0)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert (plain.sequences[0, -1] == 0) and plain.sequences.shape[1] == 12 + NEW  # the precondition
+    assert_same_cache(ours.cache, plain.cache, BATCH_MASK, NEW)
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_a_static_cache_is_refused_before_any_forward(llama_pair, name):
+    model, draft = llama_pair
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"got StaticCache\. .*Pass cache=DynamicCache\(config=model\.config\)"):
+            model.generate(PROMPT, cache=cache, max_new_tokens=NEW, do_sample=False, **mode(name, draft))
+        with pytest.raises(ValueError, match=r"The cache passed in already holds 12 columns, and input_ids has 12"):
+            model.generate(PROMPT, cache=prefilled(model, PROMPT, torch.ones_like(PROMPT), 12), max_new_tokens=NEW,
+                           do_sample=False, **mode(name, draft))
+    finally:
+        handle.remove()
+    assert len(calls) == 12 // 12  # only prefilled()'s own forward
+
+
+def test_sampling_from_a_cache_has_the_targets_distribution():
+    """Chi-square (tests/test_sampling.py): speculative sampling that continues from a cached prefix of the prompt
+    follows plain's exact processed distribution."""
+    from tests.test_sampling import DRAWS, NEW as SAMPLED, PROMPT as SHORT, SAMPLING, assert_fits, \
+        exact_distribution, processors, sampling_model
+    model = sampling_model()
+    draft = perturbed_copy(model, 0.01)
+    exact = exact_distribution(model, SHORT, SAMPLED, processors(**SAMPLING))
+    hf_specdec.enable(model)
+    torch.manual_seed(7)
+    counts, drafted, accepted = Counter(), 0, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(DRAWS):
+            cache = prefilled(model, SHORT, torch.ones_like(SHORT), 5)
+            out = model.generate(SHORT, cache=cache, do_sample=True, max_new_tokens=SAMPLED, assistant_model=draft,
+                                 spec_config=FIXED, **SAMPLING)
+            counts[tuple(out[0, SHORT.shape[1]:].tolist())] += 1
+            stats = last_spec_stats(model)
+            drafted, accepted = drafted + stats.drafted - stats.lookup_drafted, accepted + stats.accepted
+    finally:
+        torch.set_num_threads(threads)
+    assert drafted > 0 and accepted > 0
+    assert_fits(counts, exact)
