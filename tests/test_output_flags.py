@@ -4,6 +4,7 @@ and for a left-padded batch, greedy and sampled; ``num_beams > 1`` runs transfor
 ``generate`` does with an assistant. Plain ``generate`` is the reference (not transformers' assisted output, whose
 first round's hidden states and attentions are read at the wrong rows)."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -267,15 +268,21 @@ def test_beams_run_transformers_beam_search_with_one_warning(eager, draft, mode,
     assert eager.last_spec_stats.get() is None
 
 
-def test_attentions_of_sliding_window_layers_are_refused_before_any_forward():
-    model = tiny_model("qwen2", seed=0, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_sliding_window_layers_return_plain_generates_columns(mode, clocked):
+    """A full-attention layer and a sliding-window one (window 4, shorter than the prompt): a sliding layer's row
+    is the last 4 columns, as plain's layer returns them."""
+    model = tiny_model("qwen2", seed=0, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     model.set_attn_implementation("eager")
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
     hf_specdec.enable(model)
-    spy = ForwardFlags(model)
-    try:
-        with pytest.raises(ValueError, match=r"hf_specdec does not return the attentions of sliding-window layers "
-                                             r"\(output_attentions=True with this model\): drop"):
-            model.generate(prompts(1)[0], decoding="lookahead", max_new_tokens=4, **FLAGS)
-    finally:
-        spy.handle.remove()
-    assert not spy.calls
+    draft = copy.deepcopy(model)  # the same weights: its guesses are kept
+    clocked(model, draft)
+    ids, _ = prompts(1)
+    call = dict(max_new_tokens=NEW, do_sample=False, **FLAGS)
+    expected = type(model).generate(model, ids, **call)
+    out = model.generate(ids, **call, **routed(mode, model, draft))
+    assert torch.equal(out.sequences, expected.sequences)
+    assert_drafted(mode, out.spec_stats)
+    assert [a.shape[-1] for a in out.attentions[5]] == [ids.shape[1] + 5, 4]
+    assert_same_steps(out, expected)
