@@ -381,14 +381,16 @@ def test_off_and_drafters_without_trees_get_chains():
     assert plan(planner(flat), offer=Offer(model_tokens=64)).tree is None
 
 
-def test_no_tree_where_a_wide_draft_forward_makes_the_chain_faster():
-    """Flat target forwards, but each extra input of a draft forward costs as much as the verify step itself: the
-    tree's draft forwards over its frontier cost more than its siblings bring."""
+def test_where_a_wide_draft_forward_is_dear_the_tree_reads_one_node_a_depth():
+    """Flat target forwards, but each extra input of a draft forward costs as much as the verify step itself: a
+    draft forward over a frontier wider than one node costs more than its siblings bring. The plan still branches
+    (the siblings of the one node read at a depth come with its distribution, and verifying them is free) but
+    every draft forward reads one node, where the cheap draft's plan reads several a depth and verifies more."""
     costly = {1: 0.01, 2: 0.11, 4: 0.31, 8: 0.71, 16: 1.51, 32: 3.11}
-    policy = planner(flat, draft_by_width=costly)
-    chosen = plan(policy)
-    assert chosen.tree is None or all(width == 1 for width in chosen.tree.expanded)
-    assert chosen.model_tokens > 0
+    chosen, cheap = plan(planner(flat, draft_by_width=costly)), plan(planner(flat))
+    assert chosen.model_tokens > 0 and chosen.tree is not None and chosen.tree.branches
+    assert all(width == 1 for width in chosen.tree.expanded), chosen.tree
+    assert max(cheap.tree.expanded) > 1 and cheap.tree.num_nodes > chosen.tree.num_nodes, (cheap.tree, chosen.tree)
 
 
 def batch_planner(t, rows, **kwargs):
