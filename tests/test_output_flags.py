@@ -286,3 +286,26 @@ def test_sliding_window_layers_return_plain_generates_columns(mode, clocked):
     assert_drafted(mode, out.spec_stats)
     assert [a.shape[-1] for a in out.attentions[5]] == [ids.shape[1] + 5, 4]
     assert_same_steps(out, expected)
+
+
+def test_a_row_that_stops_first_has_nan_entries_after_its_stop(eager, draft, clocked, caplog):
+    """The one difference from plain generate, said in a warning: plain feeds a row that stopped (EOS) padding
+    until the others stop and returns those forwards' entries; hf_specdec runs none, so they are NaN. Every other
+    entry, the stopped row's up to its stop included, is plain's."""
+    ids, mask = prompts(3)
+    call = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=63, **FLAGS)
+    clocked(eager, draft)
+    expected = type(eager).generate(eager, ids, **call)
+    with caplog.at_level("WARNING"):
+        out = eager.generate(ids, **call, **routed("speculative", eager, draft))
+    assert torch.equal(out.sequences, expected.sequences)
+    assert_drafted("speculative", out.spec_stats)
+    stop = 3  # the third token of row 2 is the EOS
+    assert int(out.sequences[2, ids.shape[1] + stop - 1]) == 63 and len(out.scores) == NEW
+    for name in FIELDS:
+        for step, (mine, plain) in enumerate(zip(getattr(out, name), getattr(expected, name))):
+            for a, b in zip(entries(mine), entries(plain)):
+                running = slice(None) if step < stop else slice(0, 2)
+                assert torch.allclose(a[running], b[running], atol=1e-4), (name, step)
+                assert step < stop or bool(a[2].isnan().all()), (name, step)
+    assert "a row stopped before the others" in caplog.text
