@@ -122,6 +122,7 @@ def test_the_readers_catch_a_mode_that_differs(tmp_path):
                                                 "plain_other": {"tokens": 4, "identical_to_plain": False}}}]}
     (tmp_path / "first_call.json").write_text(json.dumps(report))
     assert verdicts("first_call.py", tmp_path) == [("p plain", 4, True), ("p fresh", 4, False)]
-    modes = {"plain": {"tokens": 8, "rows_equal_to_plain": "1/1"}, "lookahead": {"tokens": 0, "rows_equal_to_plain": "0/1"}}
+    modes = {"plain": {"tokens": 8, "rows_equal_to_plain": "1/1"},
+             "lookahead": {"tokens": 0, "rows_equal_to_plain": "0/1"}}
     (tmp_path / "batch.json").write_text(json.dumps({"results": {"1": modes}}))
     assert verdicts("batch.py", tmp_path / "batch.json") == [("B=1 plain", 8, True), ("B=1 lookahead", 0, False)]
