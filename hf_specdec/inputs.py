@@ -52,6 +52,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import torch
+from transformers import GenerationMixin
 
 NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
 
@@ -91,8 +92,9 @@ class ModelInputs:
     (``select_rows`` follows the rows that finish).
 
     prefill: the prompt forward's extra inputs ([B, P] per-token, [B, P, D] ``inputs_embeds``, images whole);
-    prompt_positions: [K, B, P] the prompt's positions where they are not the text positions, else None;
-    offsets: [K, B, 1] model positions - text positions of every later token, else None;
+    prompt_positions: the prompt's positions where the model's own preparation gives it others than the text
+    positions ([K, B, P] multimodal, or [B, P] shifted), else None; offsets: [K, B, 1] or [B, 1] model positions -
+    text positions of every later token, else None;
     step_tokens: per-token input -> [B, 1] the value of every new token; step_constant: the rest of a step's
     (a tensor with one entry per row follows the rows, ``select_rows``); rows: B.
     prompt_valid: [B, P] the prompt's real (unpadded) columns, None without padding (to lay a row's per-token
@@ -163,7 +165,8 @@ class ModelInputs:
         """Model positions of later inputs from their text positions [B, n]: the same, or [K, B, n]."""
         if self.offsets is None:
             return text
-        return text.to(self.offsets.device)[None] + self.offsets
+        text = text.to(self.offsets.device)
+        return (text[None] if self.offsets.dim() == 3 else text) + self.offsets
 
     def select_rows(self, index: torch.Tensor) -> "ModelInputs":
         """The same inputs for the batch rows ``index`` (in that order), after others finished."""
@@ -171,7 +174,7 @@ class ModelInputs:
             return self
         return dataclasses.replace(
             self, prefill=NO_KWARGS, prompt_positions=None, prompt_valid=None, rows=int(index.shape[0]),
-            offsets=None if self.offsets is None else self.offsets[:, index.to(self.offsets.device)],
+            offsets=None if self.offsets is None else self.offsets[..., index.to(self.offsets.device), :],
             step_tokens={name: value[index.to(value.device)] for name, value in self.step_tokens.items()},
             step_constant={name: _rows_of(value, index, self.rows) for name, value in self.step_constant.items()})
 
@@ -219,15 +222,17 @@ class ModelInputs:
         given = {name: value for name, value in model_kwargs.items() if name not in SUPPLIED and value is not None}
         positions = model_kwargs.get("position_ids")
         multi_positions = isinstance(positions, torch.Tensor) and positions.dim() == 3
-        if not given and not multi_positions:
-            return NO_INPUTS
+        own = type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
+        if not given and not multi_positions and not (own and positions is not None):
+            return NO_INPUTS  # the loop's own arguments are what plain gives: nothing to ask the model
         mask = model_kwargs.get("attention_mask")
         kwargs = dict(given, attention_mask=mask, use_cache=True)
         if positions is not None:
             kwargs["position_ids"] = positions
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         first = model.prepare_inputs_for_generation(input_ids, cache=cache, is_first_iteration=True, **kwargs)
-        grown = model._update_model_kwargs_for_generation({}, dict(kwargs), num_new_tokens=1)
+        grown = model._update_model_kwargs_for_generation({}, dict(kwargs), is_encoder_decoder=False,
+                                                          num_new_tokens=1)
         step_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], 1)], dim=1)
         step = model.prepare_inputs_for_generation(step_ids, next_sequence_length=1, cache=cache,
                                                    is_first_iteration=False, **grown)
@@ -248,11 +253,15 @@ class ModelInputs:
                     "generate() would; use plain generate() for this input.")
             step_constant[name] = value
         prompt_positions = offsets = None
-        if multi_positions:
-            prompt_positions = positions
-            text_last = (mask.long().sum(-1) - 1 if mask is not None else
-                         torch.full((positions.shape[1],), positions.shape[-1] - 1, dtype=torch.long))
-            offsets = positions[..., -1:] - text_last.to(positions.device)[None, :, None]  # [K, B, 1]
+        prepared = first.get("position_ids")  # what plain's prompt forward gets: [K, B, P], or 1-indexed (PaliGemma)
+        if prepared is not None and (positions is None or prepared.dim() == 3 or not torch.equal(prepared, positions)):
+            if positions is not None and positions.dim() == 2:  # the store's text positions are these
+                text_last = positions[:, -1]
+            else:
+                text_last = (mask.long().sum(-1) - 1 if mask is not None else
+                             torch.full((positions.shape[-2],), positions.shape[-1] - 1, dtype=torch.long))
+            text_last = text_last.to(prepared.device)[:, None]  # [B, 1]
+            prompt_positions, offsets = prepared, prepared[..., -1:] - text_last  # offsets [B, 1] or [K, B, 1]
         valid = None if mask is None or bool(mask.bool().all()) else mask.bool().cpu()
         return cls(prefill=prefill, prompt_positions=prompt_positions, offsets=offsets, step_tokens=step_tokens,
                    step_constant=step_constant, prompt_valid=valid, rows=int(input_ids.shape[0]))

@@ -177,7 +177,7 @@ def test_a_text_call_asks_the_model_nothing_and_passes_nothing_more(llama, promp
     seen = []
     handle = llama.register_forward_pre_hook(lambda module, args, kwargs: seen.append(sorted(kwargs)),
                                              with_kwargs=True)
-    monkeypatch.setattr(type(llama), "prepare_inputs_for_generation", untouchable)
+    monkeypatch.setattr(llama, "prepare_inputs_for_generation", untouchable)
     try:
         for mode in ("speculative", "lookahead"):
             llama.generate(prompt, max_new_tokens=8, do_sample=False, **modes(llama)[mode])

@@ -230,3 +230,4 @@ def test_qwen2_audio_equals_plain_generate_and_its_draft_hears_the_audio(qwen2_a
     assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
     assert not torch.equal(deaf, type(qwen2_audio).generate(qwen2_audio, ids, max_new_tokens=NEW, do_sample=False,
                                                             pad_token_id=PAD, **kwargs))  # the model hears it
+
