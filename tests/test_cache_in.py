@@ -202,7 +202,8 @@ def test_custom_position_ids(pairs, arch, name, batch):
     plain, ours = generate_both(model, ids, name, draft, mask=mask, position_ids=positions)
     assert torch.equal(ours.sequences, plain.sequences)
     assert_same_cache(ours.cache, plain.cache, mask if mask is not None else torch.ones_like(ids), NEW)
-    default = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    default = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
     assert not torch.allclose(default.cache.layers[0].keys, plain.cache.layers[0].keys)  # the positions reach the keys
 
 
@@ -230,19 +231,21 @@ def test_rows_that_stop_early_leave_the_cache_plain_leaves(llama_pair, name):
 
 @pytest.mark.parametrize("name", ["speculative", "lookahead"])
 def test_a_static_cache_is_refused_before_any_forward(llama_pair, name):
+    """What stays refused names the input and what to do, before the target runs anything."""
     model, draft = llama_pair
-    cache = StaticCache(config=model.config, max_cache_len=64)
+    static, full = StaticCache(config=model.config, max_cache_len=64), prefilled(model, PROMPT, torch.ones_like(PROMPT),
+                                                                                12)
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
         with pytest.raises(ValueError, match=r"got StaticCache\. .*Pass cache=DynamicCache\(config=model\.config\)"):
-            model.generate(PROMPT, cache=cache, max_new_tokens=NEW, do_sample=False, **mode(name, draft))
-        with pytest.raises(ValueError, match=r"The cache passed in already holds 12 columns, and input_ids has 12"):
-            model.generate(PROMPT, cache=prefilled(model, PROMPT, torch.ones_like(PROMPT), 12), max_new_tokens=NEW,
-                           do_sample=False, **mode(name, draft))
+            model.generate(PROMPT, cache=static, max_new_tokens=NEW, do_sample=False, **mode(name, draft))
+        with pytest.raises(ValueError, match=r"The cache passed in already holds 12 columns, and input_ids has 12: "
+                                             r"nothing of the prompt is left to read\. Pass input_ids with at least"):
+            model.generate(PROMPT, cache=full, max_new_tokens=NEW, do_sample=False, **mode(name, draft))
     finally:
         handle.remove()
-    assert len(calls) == 12 // 12  # only prefilled()'s own forward
+    assert calls == []
 
 
 def test_sampling_from_a_cache_has_the_targets_distribution():
