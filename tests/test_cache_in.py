@@ -133,12 +133,14 @@ def test_a_chat_turn_continues_from_the_cache(pairs, arch, name):
 
 
 @pytest.mark.parametrize("name", ["speculative", "lookahead"])
-def test_a_batch_continues_from_the_cache(llama_pair, name):
-    """Two left-padded rows, their first 6 columns cached."""
+@pytest.mark.parametrize("holes", [False, True])
+def test_a_batch_continues_from_the_cache(llama_pair, name, holes):
+    """Two left-padded rows (or rows with holes, some of them cached), their first 6 columns cached."""
     model, draft = llama_pair
-    plain, ours = generate_both(model, BATCH, name, draft, mask=BATCH_MASK, cache_columns=6)
+    mask = HOLES if holes else BATCH_MASK
+    plain, ours = generate_both(model, BATCH, name, draft, mask=mask, cache_columns=6)
     assert torch.equal(ours.sequences, plain.sequences)
-    assert_same_cache(ours.cache, plain.cache, BATCH_MASK, NEW)
+    assert_same_cache(ours.cache, plain.cache, mask, NEW)
 
 
 @pytest.mark.parametrize("name", ["speculative", "lookahead"])
