@@ -232,6 +232,24 @@ def test_rows_that_stop_early_leave_the_cache_plain_leaves(llama_pair, name):
 
 
 @pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_the_padding_after_an_early_stop_gets_the_rows_token_types(name):
+    """GPT-2 with token_type_ids: the padding plain feeds a row after its EOS carries the row's last token type,
+    and so do the keys and values of the cache handed back."""
+    model = tiny_model("gpt2", seed=0)
+    draft = perturbed_copy(model, 0.05, relative=True)
+    hf_specdec.enable(model)
+    types = torch.ones_like(BATCH)
+    types[:, :6], types[1, -1] = 0, 2
+    rows = model.generate(BATCH, attention_mask=BATCH_MASK, token_type_ids=types, max_new_tokens=NEW,
+                          do_sample=False)[:, 12:]
+    eos = next(int(t) for t in rows[0, :6] if t not in rows[1].tolist())  # row 0 stops at once, row 1 runs on
+    plain, ours = generate_both(model, BATCH, name, draft, mask=BATCH_MASK, token_type_ids=types, eos_token_id=eos,
+                                pad_token_id=0)
+    assert torch.equal(ours.sequences, plain.sequences) and plain.sequences[0, -1] == 0
+    assert_same_cache(ours.cache, plain.cache, BATCH_MASK, NEW)
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
 def test_a_static_cache_is_refused_before_any_forward(llama_pair, name):
     """What stays refused names the input and what to do, before the target runs anything."""
     model, draft = llama_pair
