@@ -39,8 +39,15 @@ def eager():
 
 
 @pytest.fixture(scope="module")
-def draft(eager):
+def unsure_draft(eager):
+    """Its second choices are the target's now and then: a trie round keeps a path that skips a sibling (a hole)."""
     return perturbed_copy(eager, 0.02)
+
+
+@pytest.fixture(scope="module")
+def draft(eager):
+    """Right about half the time here: rounds accept some guesses and reject others."""
+    return perturbed_copy(eager, 0.1, relative=True)
 
 
 def prompts(batch: int):
@@ -99,15 +106,18 @@ def assert_same_steps(out, expected, fields=FIELDS):
 # -- greedy: every flag, per step -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("mode", ["speculative", "tree", "lookahead"])
-def test_every_flag_equals_plain_generate_per_step(eager, draft, mode, batch, clocked):
+def test_every_flag_equals_plain_generate_per_step(eager, draft, unsure_draft, mode, batch, clocked):
     """Scores, raw logits, hidden states (prompt step [B, P, D], then [B, 1, D] per token) and attentions (prompt
     step [B, H, P, P], then [B, H, 1, P + t]: padding columns at weight 0, no holes, no other branch) as plain
     generate returns them, split from the verify forwards; rows advancing at their own pace are stacked per step."""
     ids, mask = prompts(batch)
     call = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **FLAGS)
+    draft = unsure_draft if mode == "tree" else draft
     clocked(eager, draft)
     expected = type(eager).generate(eager, ids, **call)
     out = eager.generate(ids, **call, **routed(mode, eager, draft))
+    if mode == "tree":  # a second choice kept: its first-choice sibling's columns are a hole of the cache
+        assert any(kept for (_, rank), kept in out.spec_stats.accepted_by_depth_rank.items() if rank > 0)
     assert isinstance(out, hf_specdec.integration.SpecGenerateOutput)
     assert torch.equal(out.sequences, expected.sequences)
     assert_drafted(mode, out.spec_stats)
