@@ -9,12 +9,15 @@ message instead of failing mid-generation.
 at the requested inputs, the last hidden states on request, an optional narrowed output layer).
 
 ``KVStore`` is the cache of a decoding call, addressed by slots (absolute cache columns): B rows (B = 1 for one
-prompt) that advance by different numbers of tokens per round. It owns each row's kept tokens (``lengths``, the
-position of its next token) and which columns each row attends to (``valid``), so that every forward sees exactly
-what plain ``generate`` would give the model: position ids ``cumsum(attention_mask) - 1``, padding and rejected
-tokens masked. Operations:
+prompt) that advance by different numbers of tokens per round. It owns each row's kept tokens (``lengths``: how
+many) and which columns each row attends to (``valid``), so that every forward sees exactly what plain
+``generate`` would give the model: the prompt's position ids as ``generate`` gave them (``cumsum(attention_mask) -
+1``, or the caller's ``position_ids``), each later token at the last one + 1 (``next_positions``: ``lengths`` plus
+a per-row offset), padding, holes of the mask and rejected tokens masked. It decodes in a fresh cache or in one
+passed in that holds the prompt's first columns (a chat's earlier turn), and a store that hands its cache back
+leaves it as plain ``generate`` leaves it (``finish``). Operations:
 
-``prefill(input_ids, mask)``   read the (left-padded) prompts; they are kept at once;
+``prefill(input_ids, mask)``   read the prompts' uncached tokens (padding and holes masked); they are kept at once;
 ``forward(batch, after=)``     write a round's stacked inputs (``layout.BatchInputs``) at new slots, each row at its
                                own positions: after its kept tokens, or continuing a slot written since the last
                                keep (a draft model drafting step by step); returns the result and the slots;
@@ -25,7 +28,9 @@ tokens masked. Operations:
 ``compact()``                  gather each row's kept columns together and drop the columns no row keeps;
 ``select_rows(rows)``          drop the rows that finished;
 ``lend(model)``                a store for an early-exit view of the model (its first layers) starting from this
-                               store's kept keys and values in those layers, without copying them.
+                               store's kept keys and values in those layers, without copying them;
+``finish(new_tokens, pad)``    the cache as plain ``generate`` leaves it: the prompt and every emitted token but the
+                               last, in plain's columns (a row that stopped early padded as plain pads it).
 
 Worked example (one row, 10 prompt tokens, a trie round of 4 inputs: the last token and nodes a, b, c where
 b and c are children of a). ``forward`` writes them at slots 10..13 (positions 10, 11, 12, 12); the target
@@ -41,15 +46,17 @@ timings use.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .inputs import NO_INPUTS, NO_KWARGS, ModelInputs
 from .layout import BatchInputs, to_model_mask
 
 
@@ -63,7 +70,8 @@ def new_cache(model) -> DynamicCache:
 
 
 def check_cache_supported(cache: Cache | None) -> None:
-    """Refuse caches that cannot roll back. ``None`` (a fresh cache will be made) is fine."""
+    """Refuse caches that cannot roll back. ``None`` (a fresh cache will be made) is fine, and so is a
+    ``DynamicCache`` that already holds the start of the prompt (a cache passed in: decoding continues from it)."""
     if cache is None:
         return
     if type(cache) is not DynamicCache:
@@ -71,9 +79,9 @@ def check_cache_supported(cache: Cache | None) -> None:
             f"hf_specdec decodes with a DynamicCache, which it rolls back and compacts after each round; got "
             f"{type(cache).__name__}. Static, offloaded and quantized caches are not supported yet (a StaticCache "
             "could roll back by moving its write position, but compacting a verified trie into its fixed buffers "
-            "and masking them is not implemented). Do not pass cache_implementation='static'/'quantized'/"
-            "'offloaded_static' or a cache object: leave the cache to generate(), or use plain generate() with "
-            "the static cache."
+            "and masking them is not implemented). Pass cache=DynamicCache(config=model.config) (filled by an "
+            "earlier forward or call, if you continue from one) or no cache, and no "
+            "cache_implementation='static'/'quantized'/'offloaded_static'; or use plain generate() with that cache."
         )
     if cache.layers and not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
         raise ValueError(
@@ -82,16 +90,25 @@ def check_cache_supported(cache: Cache | None) -> None:
         )
 
 
-def rollback(cache: Cache, length: int) -> None:
+def rollback(cache: Cache, length: int, window: bool = True) -> None:
     """Forget every cached position from ``length`` on, in every layer.
 
     Layers are cropped one by one, so a cache left uneven by a failed forward (out of memory half-way through
-    the layers) is repaired too.
+    the layers) is repaired too. ``window=False`` leaves a sliding-window layer holding every column it recorded
+    (``DynamicSlidingWindowLayer.crop`` would also cut it to its window): a store that will hand its cache back
+    crops it as plain ``generate`` leaves it only at the end (``KVStore.finish``).
     """
     for layer in cache.layers:
         current = layer.get_seq_length()
-        if current > length:
+        if current <= length:
+            continue
+        if window or not getattr(layer, "is_sliding", False):
             layer.crop(length - current)
+        else:
+            held = layer.keys.shape[2] - (current - length)
+            assert held >= 0, "rollback: the layer no longer holds those columns"
+            layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
+            layer.cumulative_length = length
 
 
 def _has_states(layer) -> bool:
@@ -129,17 +146,38 @@ def accepts_position_ids(model) -> bool:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """Which per-layer outputs a forward also returns, for a caller of ``generate`` who asked for them
+    (``output_hidden_states`` / ``output_attentions`` with ``return_dict_in_generate``). Nothing by default: a
+    forward nobody asked to record computes and keeps nothing more than its logits."""
+
+    hidden_states: bool = False
+    attentions: bool = False
+
+    def __bool__(self) -> bool:
+        return self.hidden_states or self.attentions
+
+
+NOTHING = Recording()
+
+
+@dataclass(frozen=True)
 class ForwardResult:
     """What one forward gives back.
 
     logits: [B, m, V] float, at the requested inputs; hidden: [B, m, H] the last hidden states at the same inputs
     (only when asked, else None); slots: [B, n] the cache columns every input was written at (``KVStore.forward``
-    only, else None), the handles ``KVStore.keep`` takes.
+    only, else None), the handles ``KVStore.keep`` takes. What a ``Recording`` asked for, at every input:
+    hidden_states, the model's tuple (embeddings, then each layer) of [B, n, D]; attentions, its tuple (one per
+    layer) of [B, heads, n, past + n] weights over every cache column, or () where the attention kernel returns
+    none (sdpa, as in plain ``generate``); None where not asked.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 LogitsAt = int | torch.Tensor | None  # the last n inputs, or [m] input indices, or None: every input
@@ -168,13 +206,18 @@ def call_model(
     # layer kind), or None (the model's causal mask)
     hidden: bool = False,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    record: Recording = NOTHING,
+    model_inputs: Mapping[str, Any] = NO_KWARGS,  # the call's other inputs for this forward (``inputs.py``)
 ) -> ForwardResult:
     """One forward over ``input_ids`` appended to ``cache`` (the cache grows by n columns in every layer).
 
     ``head`` replaces the model's output layer (``drafters.draft_model.SubVocabHead``, a narrowed vocabulary):
     the base model runs and the head maps its hidden states [B, m, H] to logits. ``hidden`` also returns the
     hidden states (without a head: the model's last reported hidden states, for most models after the final
-    norm). The model computes logits only where asked when it can (``logits_to_keep``).
+    norm). The model computes logits only where asked when it can (``logits_to_keep``). ``record`` also returns
+    every input's hidden states and attention weights (``ForwardResult``), the model's flags set as plain
+    ``generate`` sets them; with a ``head``, those of the base model. ``model_inputs`` go to the model as they
+    are (``inputs.ModelInputs``: what plain ``generate`` gives this forward besides tokens, positions and mask).
     """
     if head is not None:
         model = getattr(model, model.base_model_prefix)
@@ -186,17 +229,24 @@ def call_model(
         kwargs["position_ids"] = position_ids
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    if hidden and head is None:
+    if (hidden and head is None) or record.hidden_states:
         kwargs["output_hidden_states"] = True
-    output = model(input_ids=input_ids, **kwargs)
+    if record.attentions:
+        kwargs["output_attentions"] = True
+    if model_inputs:  # token types, images at a prefill, a prompt's embeddings (input_ids None)
+        kwargs.update(model_inputs)
+    kwargs.setdefault("input_ids", input_ids)
+    output = model(**kwargs)
+    recorded = dict(hidden_states=tuple(output.hidden_states) if record.hidden_states else None,
+                    attentions=tuple(output.attentions or ()) if record.attentions else None)
     if head is not None:
         states = _select(output.last_hidden_state, logits_at)  # [B, m, H]
-        return ForwardResult(head(states).float(), states if hidden else None)
+        return ForwardResult(head(states).float(), states if hidden else None, **recorded)
     logits = output.logits
     if "logits_to_keep" not in params:  # the model computed every position
         logits = _select(logits, logits_at)
     states = _select(output.hidden_states[-1], logits_at) if hidden else None
-    return ForwardResult(logits.float(), states)
+    return ForwardResult(logits.float(), states, **recorded)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,12 +254,33 @@ def call_model(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Parked:
+    """A row's cache as ``KVStore.finish`` needs it: per layer, the keys and values [1, H, h, D] of the last h of
+    the row's ``count`` kept tokens that the layer holds (in order, no padding, no holes; None for a layer that
+    holds no states), the position of its next token, and its other model inputs (``inputs.ModelInputs``)."""
+
+    states: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+    count: int
+    next_position: int
+    inputs: ModelInputs = NO_INPUTS
+
+    def committed(self, count: int) -> "_Parked":
+        """The same row with only its first ``count`` kept tokens (a last round may have kept tokens after a stop)."""
+        cut = self.count - count
+        assert cut >= 0, "finish: a row holds fewer tokens than it committed"
+        states = tuple(None if kv is None else tuple(part[:, :, : part.shape[2] - cut] for part in kv)
+                       for kv in self.states)
+        return _Parked(states, count, self.next_position - cut, self.inputs)
+
+
 class KVStore:
     """The cache of B rows that advance at their own pace, addressed by slots (see the module docstring).
 
     State, all explicit: ``cache`` holds ``width + len(written)`` columns; the first ``width`` are kept ones
     (``valid``: [B, width] bool, which of them each row attends to, or None when every row attends to all: the
-    dense case, no mask needed); ``lengths``: [B] each row's kept tokens, the position of its next token. The
+    dense case, no mask needed); ``lengths``: [B] each row's kept tokens, and ``next_positions()`` [B] the
+    position of its next token (``lengths`` with plain's positions; a caller's ``position_ids`` shift it). The
     columns after ``width`` were written since the last ``keep``: per written column, its position
     (``_positions`` [B, w]) and which written columns it saw (``_sees`` [B, w, w], itself included), so that a
     later forward can continue any of them and ``keep`` can take any path through them.
@@ -230,14 +301,29 @@ class KVStore:
     """
 
     COMPACT_FRACTION = 0.5  # compact when more than this fraction of the kept columns are holes
+    inputs: ModelInputs = NO_INPUTS  # the call's other model inputs, from ``prefill`` on (``inputs.py``)
 
-    def __init__(self, model, attention: str = "sdpa", head: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, model, attention: str = "sdpa", head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 cache: DynamicCache | None = None, returns_cache: bool = False):
         self.model, self.attention = model, attention
         self.head = head  # optional: hidden [B, n, H] -> logits, a narrowed output layer
-        self.cache = new_cache(model)
+        self.returns_cache = returns_cache  # ``finish`` will leave the cache as plain generate() leaves it
+        self.cache = new_cache(model) if cache is None else cache  # a cache passed in holds the prompt's start
+        check_cache_supported(self.cache)
+        self._recording = [(layer, layer.record_past) for layer in self.cache.layers if hasattr(layer, "record_past")]
+        for layer, _ in self._recording:
+            layer.activate_past_recording()
         self.valid: torch.Tensor | None = None
         self.lengths = torch.zeros(0, dtype=torch.long)
-        self.width = 0
+        self.width = self.cache.get_seq_length()  # the columns a cache passed in holds: the prompt's first ones
+        # positions (module docstring): a row's next token sits at ``lengths + _offset``; ``_column_shift`` maps a
+        # token's index among the row's kept tokens to its column in plain generate's layout (``_window_columns``)
+        self._offset = torch.zeros(0, dtype=torch.long)
+        self._column_shift = torch.zeros(0, dtype=torch.long)
+        self._prompt_width = 0  # the prompt's columns, cached ones included: the layout of plain generate's cache
+        self._prompt_valid: torch.Tensor | None = None  # [B0, prompt width] the prompt's mask, None if all ones
+        self._row_ids = torch.zeros(0, dtype=torch.long)  # the original row of each row still in the store
+        self._parked: dict[int, _Parked] = {}  # rows that left, kept for ``finish`` (only when returns_cache)
         self._positions = torch.zeros(0, 0, dtype=torch.long)
         self._sees = torch.zeros(0, 0, 0, dtype=torch.bool)
         self.gathers = 0  # how many times columns were gathered (``compact``, or ``keep`` where holes cannot stay)
@@ -274,6 +360,11 @@ class KVStore:
         return accepts_position_ids(model) and not any(getattr(layer, "is_sliding", False)
                                                        for layer in self.cache.layers)
 
+    def next_positions(self) -> torch.LongTensor:
+        """[B] the position of each row's next token (after its kept tokens): ``lengths`` with plain generate's
+        positions, shifted where a caller's ``position_ids`` start elsewhere."""
+        return self.lengths + self._offset
+
     def _kept_valid(self) -> torch.Tensor:
         """[B, width] the kept columns each row attends to (all of them when ``valid`` is None)."""
         return self.valid if self.valid is not None else torch.ones(self.num_rows, self.width, dtype=torch.bool)
@@ -282,26 +373,44 @@ class KVStore:
         self._positions = torch.zeros(self.num_rows, 0, dtype=torch.long)
         self._sees = torch.zeros(self.num_rows, 0, 0, dtype=torch.bool)
 
-    def prefill(self, input_ids: torch.LongTensor, mask: torch.Tensor | None, logits_at: LogitsAt = 1) -> ForwardResult:
-        """Read the prompts ``input_ids`` [B, P] (``mask`` [B, P]: 0 for left padding, or None) into an empty
-        store and keep them: positions as plain ``generate`` gives them, ``cumsum(mask) - 1``. A zero-width
-        prompt reads nothing (logits [B, 0, 0]). Returns logits [B, m, V] at ``logits_at``."""
-        assert self.width == 0 and self.num_written == 0, "prefill fills an empty store"
+    def prefill(self, input_ids: torch.LongTensor, mask: torch.Tensor | None, logits_at: LogitsAt = 1, *,
+                record: Recording = NOTHING, positions: torch.LongTensor | None = None,
+                inputs: ModelInputs = NO_INPUTS) -> ForwardResult:
+        """Read the prompts' uncached tokens ``input_ids`` [B, n] into the store and keep them, after the c columns
+        a cache passed in holds (c = 0 for an empty store), as plain ``generate`` reads them: ``mask`` [B, c + n]
+        over the cached and the new columns (0 for padding and holes, masked from now on; None: all ones) and
+        ``positions`` [B, n] (or [1, n]) of the new tokens, by default ``cumsum(mask) - 1`` (0 where masked). Each
+        row's next token sits at its last position + 1. A zero-width prompt reads nothing (logits [B, 0, 0]).
+        ``inputs``: the call's other model inputs (``inputs.ModelInputs``), those of the prompt now and those of
+        new tokens in every later forward. Returns logits [B, m, V] at ``logits_at``."""
+        assert self.num_written == 0 and self.width == self.cache.get_seq_length(), "prefill fills a new store"
         rows, length = input_ids.shape
-        valid = None if mask is None or bool(mask.bool().all()) else mask.bool().cpu()  # [B, P]
-        self.lengths = torch.full((rows,), length) if valid is None else valid.sum(-1)
+        cached = self.width
+        valid = None if mask is None or bool(mask.bool().all()) else mask.bool().cpu()  # [B, c + n]
+        assert valid is None or valid.shape == (rows, cached + length), "the mask spans the cached and new columns"
+        self.lengths = torch.full((rows,), cached + length) if valid is None else valid.sum(-1)
+        if positions is None:
+            every = (torch.arange(cached + length).repeat(rows, 1) if valid is None
+                     else (valid.long().cumsum(-1) - 1).masked_fill(~valid, 0))  # as plain generate derives them
+            positions = every[:, cached:]
+        positions = positions.cpu().expand(rows, length).contiguous()
+        self._offset = (positions[:, -1] + 1 - self.lengths) if length else -self.lengths
+        self._prompt_width = cached + length
+        self._column_shift = self._prompt_width - self.lengths
+        self._prompt_valid, self._row_ids, self._parked = valid, torch.arange(rows), {}
         self._reset_written()
         if length == 0:
             return ForwardResult(torch.zeros(rows, 0, 0))
-        positions = torch.arange(length).repeat(rows, 1) if valid is None else (valid.long().cumsum(-1) - 1).clamp_min(0)
         attention = None if valid is None else valid.long().to(self.device)
+        self.inputs = inputs
         result = call_model(self.model, input_ids.to(self.device), self.cache, logits_at=logits_at,
-                            position_ids=positions.to(self.device), attention_mask=attention, head=self.head)
-        self.valid, self.width = valid, length
+                            position_ids=inputs.prefill_positions(positions).to(self.device), attention_mask=attention,
+                            head=self.head, record=record, model_inputs=inputs.prefill_kwargs(length))
+        self.valid, self.width = valid, cached + length
         return result
 
     def forward(self, batch: BatchInputs, *, after: torch.LongTensor | None = None, logits_at: LogitsAt = None,
-                hidden: bool = False) -> ForwardResult:
+                hidden: bool = False, record: Recording = NOTHING) -> ForwardResult:
         """Write a round's stacked inputs (``batch``: [B, n]) at the next n slots and run the model over them.
 
         Each row's inputs sit at its next positions plus their offsets and see the row's kept columns, each
@@ -315,7 +424,7 @@ class KVStore:
         rows, n = batch.input_ids.shape
         past = self.width + self.num_written
         if after is None:
-            base = self.lengths[:, None]  # [B, 1]
+            base = self.next_positions()[:, None]  # [B, 1]
             sees_written = torch.zeros(rows, 1, self.num_written, dtype=torch.bool)  # [B, 1, w]
         else:
             written = after.cpu().reshape(rows, -1) - self.width  # [B, 1 or n] indices among the written columns
@@ -338,8 +447,8 @@ class KVStore:
             full = torch.cat([kept, sees_written.expand(rows, n, self.num_written), inner], dim=2)  # [B, n, past + n]
             mask = self._layer_masks(full, positions, n)
         result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
-                            position_ids=positions.to(self.device), attention_mask=mask, hidden=hidden,
-                            head=self.head)
+                            position_ids=self.inputs.positions(positions).to(self.device), attention_mask=mask,
+                            hidden=hidden, head=self.head, record=record, model_inputs=self.inputs.step(n))
         w = self.num_written
         sees = torch.zeros(rows, w + n, w + n, dtype=torch.bool)
         sees[:, :w, :w] = self._sees
@@ -348,12 +457,60 @@ class KVStore:
         self._sees = sees
         self._positions = torch.cat([self._positions, positions], dim=1)
         slots = past + torch.arange(n).repeat(rows, 1)  # [B, n]
-        return ForwardResult(result.logits, result.hidden, slots)
+        return dataclasses.replace(result, slots=slots)
 
-    def _key_positions(self) -> torch.Tensor:
-        """[B, width + w] the position of every column (a hole's is meaningless: it is masked)."""
-        kept = (self._kept_valid().long().cumsum(-1) - 1).clamp_min(0)
-        return torch.cat([kept, self._positions], dim=1)
+    def columns(self, row: int, path: Sequence[int]) -> torch.LongTensor:
+        """The cache columns a query of row ``row`` attends to when it ends the path ``path`` (slots written since
+        the last keep, in order): the row's kept columns (no padding, no holes), then the path's slots. They are
+        the row's tokens in order, the columns of plain ``generate``'s attention row after its padding.
+
+        >>> from hf_specdec.layout import BatchInputs
+        >>> from hf_specdec.models.tiny import tiny_model
+        >>> store = KVStore(tiny_model("llama"))
+        >>> _ = store.prefill(torch.tensor([[0, 6, 7]]), torch.tensor([[0, 1, 1]]))  # one padding column
+        >>> trie = BatchInputs(torch.tensor([[8, 9, 10]]), torch.tensor([[0, 1, 1]]), None,
+        ...                    torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool))
+        >>> store.forward(trie).slots.tolist()
+        [[3, 4, 5]]
+        >>> store.columns(0, [3, 5]).tolist()  # 8 -> 10: the sibling at slot 4 is not among them
+        [1, 2, 3, 5]
+        """
+        kept = self._kept_valid()[row].nonzero()[:, 0]
+        return torch.cat([kept, torch.tensor(list(path), dtype=torch.long)])
+
+    def attention_rows(self, attentions: Sequence[torch.Tensor], row: int, query: int, path: Sequence[int],
+                       padding: int, total: int) -> tuple[torch.Tensor, ...]:
+        """Plain ``generate``'s attention row, per layer [1, heads, 1, K], of the input ``query`` of row ``row`` of
+        the last forward (``attentions``: its weights, per layer [B, heads, n, K_layer] over the layer's last
+        K_layer of ``total`` columns), the input ending the path ``path`` (``columns``): ``padding`` columns at
+        weight 0 (the row's left padding, which plain's mask gives weight 0), then the row's tokens up to it. A
+        sliding-window layer keeps, as plain's returns them, the last ``sliding_window`` of those columns (its
+        window: padding counts); a column the layer did not hand its attention has weight 0 (outside it)."""
+        columns = self.columns(row, path)
+        rows = []
+        for layer, weights in zip(self.cache.layers, attentions):
+            offset = total - weights.shape[-1]  # the columns before it are not among the layer's keys
+            inside = columns >= offset
+            picked = weights[row: row + 1, :, query: query + 1]  # [1, heads, 1, K_layer]
+            values = picked.new_zeros(picked.shape[:3] + (padding + columns.shape[0],))
+            values[..., padding + inside.nonzero()[:, 0].to(values.device)] = \
+                picked[..., (columns[inside] - offset).to(picked.device)]
+            if getattr(layer, "is_sliding", False):
+                values = values[..., -min(values.shape[-1], layer.sliding_window):]
+            rows.append(values)
+        return tuple(rows)
+
+    def _window_columns(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where plain ``generate``'s cache has each column: ([B, width + w + n] every cached and new column,
+        [B, n] the new inputs at ``positions``), what a sliding window counts (columns, padding and holes included,
+        not positions). A prompt column is where it was read; a later token follows the prompt in the order it
+        was kept; a hole's is meaningless (it is masked)."""
+        shift = (self._column_shift - self._offset)[:, None]  # [B, 1]: position -> column after the prompt
+        column = torch.arange(self.width)[None, :]
+        later = (self._kept_valid().long().cumsum(-1) - 1) + self._column_shift[:, None]
+        kept = torch.where(column < self._prompt_width, column, later)  # [B, width]
+        queries = positions + shift
+        return torch.cat([kept, self._positions + shift, queries], dim=1), queries
 
     def _layer_masks(self, full: torch.Tensor, positions: torch.Tensor, n: int):
         """The 4-D mask each kind of layer takes: the full one, and for sliding-window layers the columns they
@@ -367,11 +524,11 @@ class KVStore:
         if not sliding:
             return as_model(full)
         past = full.shape[2] - n
-        key_positions = torch.cat([self._key_positions(), positions], dim=1)  # [B, past + n]
+        key_columns, query_columns = self._window_columns(positions)  # [B, past + n], [B, n]
         masks = {}
         for layer in sliding.values():
             visible = layer.get_mask_sizes(n)[0] - n  # cached columns the layer hands its attention
-            in_window = key_positions[:, None, past - visible:] > positions[:, :, None] - layer.sliding_window
+            in_window = key_columns[:, None, past - visible:] > query_columns[:, :, None] - layer.sliding_window
             masks["sliding_attention"] = as_model(full[:, :, past - visible:] & in_window)
         layer_types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None)
         if not layer_types:  # every layer slides (Mistral, Phi-3): one mask
@@ -398,7 +555,7 @@ class KVStore:
         taken = torch.arange(w)[None, :] < counts[:, None]  # [B, w]
         assert bool(((index >= 0) & (index < w) | ~taken).all()), "keep: only slots written since the last keep"
         path_positions = self._positions.gather(1, index) if w else index
-        expected = self.lengths[:, None] + torch.arange(w)[None, :]
+        expected = self.next_positions()[:, None] + torch.arange(w)[None, :]
         assert bool(((path_positions == expected) | ~taken).all()), "keep: each row's next positions, in order"
         prefix = bool(((index == torch.arange(w)[None, :]) | ~taken).all())
         if prefix or not self.holes_maskable():
@@ -408,16 +565,16 @@ class KVStore:
                     if _has_states(layer):
                         _gather_columns(layer, self.width, gather)
                 self.gathers += 1
-            rollback(self.cache, self.width + m)
+            self._rollback(self.width + m)
             for layer in self.cache.layers:  # a sliding-window layer restricts itself to its window
-                if getattr(layer, "is_sliding", False) and _has_states(layer):
+                if getattr(layer, "is_sliding", False) and _has_states(layer) and not self.returns_cache:
                     layer.crop(0)
             new_columns = taken[:, :m]  # [B, m]
         else:  # holes stay, masked; the columns after the last kept one go
             new_columns = torch.zeros(self.num_rows, w, dtype=torch.bool)  # [B, w]
             new_columns[torch.arange(self.num_rows)[:, None].expand(-1, w)[taken], index[taken]] = True
             last = int(new_columns.any(dim=0).nonzero().max()) + 1 if bool(new_columns.any()) else 0
-            rollback(self.cache, self.width + last)
+            self._rollback(self.width + last)
             new_columns = new_columns[:, :last]
         if self.valid is not None or not bool(new_columns.all()):
             self.valid = torch.cat([self._kept_valid(), new_columns], dim=1)
@@ -429,8 +586,13 @@ class KVStore:
     def discard(self) -> None:
         """Forget everything written since the last keep, in every layer (a forward that failed half-way, out of
         memory, leaves layers of different lengths: each is cropped to the kept columns)."""
-        rollback(self.cache, self.width)
+        self._rollback(self.width)
         self._reset_written()
+
+    def _rollback(self, length: int) -> None:
+        """``rollback`` to ``length`` columns; a store that hands its cache back keeps its sliding-window layers'
+        recorded columns until ``finish``."""
+        rollback(self.cache, length, window=not self.returns_cache)
 
     def can_lend(self) -> bool:
         """Can ``lend`` start another store from this one's tensors? Only full-attention layers (``DynamicLayer``:
@@ -467,17 +629,26 @@ class KVStore:
                 mine.keys, mine.values = theirs.keys, theirs.values
         store.valid = None if self.valid is None else self.valid.clone()
         store.lengths, store.width = self.lengths.clone(), self.width
+        store._offset, store._column_shift, store._prompt_width = self._offset, self._column_shift, self._prompt_width
+        store.inputs = self.inputs
         store._reset_written()
         return store
 
     def select_rows(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order): the others finished."""
+        """Keep only these rows (in this order): the others finished (a store that hands its cache back keeps
+        theirs aside for ``finish``)."""
         index = torch.tensor(rows, dtype=torch.long)
+        if self.returns_cache:
+            assert self.num_written == 0, "rows leave between rounds"
+            for row in sorted(set(range(self.num_rows)) - set(rows)):
+                self._parked[int(self._row_ids[row])] = self._park(row)
         for layer in self.cache.layers:
             if _has_states(layer):
                 layer.batch_select_indices(index.to(layer.keys.device))
-        self.lengths = self.lengths[index]
+        self.lengths, self._offset, self._row_ids = self.lengths[index], self._offset[index], self._row_ids[index]
+        self._column_shift = self._column_shift[index]
         self._positions, self._sees = self._positions[index], self._sees[index]
+        self.inputs = self.inputs.select_rows(index)
         if self.valid is not None:
             self.valid = self.valid[index]
             self._tidy()
@@ -491,7 +662,7 @@ class KVStore:
         if not bool(seen.all()):
             last = int(seen.nonzero().max()) + 1 if bool(seen.any()) else 0
             if last < self.width:
-                rollback(self.cache, last)
+                self._rollback(last)
                 self.valid, self.width = self.valid[:, :last], last
         if self.valid.numel() and float(self.valid.float().mean()) < 1 - self.COMPACT_FRACTION:
             self.compact()
@@ -524,3 +695,85 @@ class KVStore:
         self.gathers += 1
         if bool(self.valid.all()):
             self.valid = None
+
+    def _park(self, row: int) -> _Parked:
+        """Row ``row``'s kept tokens, as ``finish`` takes them."""
+        columns = self._kept_valid()[row].nonzero()[:, 0]  # the row's kept tokens, in order
+        states = []
+        for layer in self.cache.layers:
+            if not _has_states(layer):
+                states.append(None)
+                continue
+            start = layer_columns(layer) - layer.keys.shape[2]  # a sliding-window layer may hold only its tail
+            held = (columns[columns >= start] - start).to(layer.keys.device)
+            states.append((layer.keys[row: row + 1, :, held], layer.values[row: row + 1, :, held]))
+        return _Parked(tuple(states), int(columns.shape[0]), int(self.next_positions()[row]),
+                       self.inputs.select_rows(torch.tensor([row])))
+
+    def finish(self, new_tokens: Sequence[Sequence[int]], pad_token_id: int) -> None:
+        """Leave the cache as plain ``generate`` leaves it after emitting ``new_tokens[r]`` in row r (the rows
+        in the order ``prefill`` read them; a row that stopped early padded with ``pad_token_id``, as plain pads
+        it): the prompt's columns, then every emitted token but the last one, in every row [B, H, prompt + N - 1,
+        D] for N the longest row's tokens; a row that stopped early also holds its last token and the padding
+        plain fed after it (one forward over them), sliding-window layers their window, recording as it was.
+        Columns plain masks (padding, holes) hold zeros: no query ever reads them. The store is spent after it.
+        """
+        assert self.returns_cache and self.num_written == 0, "finish: a store that hands its cache back, between rounds"
+        longest = max(len(tokens) for tokens in new_tokens)
+        width = self._prompt_width + longest - 1
+        same = all(len(tokens) == longest for tokens in new_tokens)
+        if not self._parked and same and self.valid is None and self._prompt_valid is None:
+            self._rollback(width)  # already plain's layout: only the tokens kept after a stop go
+        else:
+            self._assemble(new_tokens, pad_token_id, longest)
+        for layer, recording in self._recording:
+            if getattr(layer, "is_sliding", False) and _has_states(layer):
+                layer.keys, layer.values = layer.keys[:, :, 1 - layer.sliding_window:], \
+                    layer.values[:, :, 1 - layer.sliding_window:]
+            layer.record_past = recording
+
+    def _assemble(self, new_tokens: Sequence[Sequence[int]], pad_token_id: int, longest: int) -> None:
+        """``finish`` where rows left early, stopped early, or hold padding or holes: each row's kept tokens are
+        cut to what it committed, extended by what plain fed it after its stop, and scattered to the columns plain
+        gives them ([prompt mask, ones])."""
+        rows = {**self._parked, **{int(self._row_ids[r]): self._park(r) for r in range(self.num_rows)}}
+        prompt = self._prompt_valid if self._prompt_valid is not None else \
+            torch.ones(len(rows), self._prompt_width, dtype=torch.bool)
+        width = self._prompt_width + longest - 1
+        outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in self.cache.layers:
+            if not _has_states(layer):
+                outs.append(None)
+                continue
+            shape = (len(rows), layer.keys.shape[1], width, layer.keys.shape[3])
+            outs.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
+        for r in range(len(rows)):
+            row = rows[r].committed(int(prompt[r].sum()) + len(new_tokens[r]) - 1)
+            if len(new_tokens[r]) < longest:  # plain fed the row its last token and then padding
+                row = self._extend(row, [new_tokens[r][-1]] + [pad_token_id] * (longest - len(new_tokens[r]) - 1))
+            columns = torch.cat([prompt[r].nonzero()[:, 0], torch.arange(self._prompt_width, width)])
+            for out, kv in zip(outs, row.states):
+                if out is not None and kv is not None:
+                    held = columns[columns.shape[0] - kv[0].shape[2]:].to(out[0].device)
+                    out[0][r, :, held], out[1][r, :, held] = kv[0][0], kv[1][0]
+        for layer, out in zip(self.cache.layers, outs):
+            if out is not None:
+                layer.keys, layer.values = out
+                if getattr(layer, "is_sliding", False):
+                    layer.cumulative_length = width
+
+    def _extend(self, row: _Parked, tokens: list[int]) -> _Parked:
+        """``row`` after a forward over ``tokens`` at its next positions (one row, its own cache)."""
+        cache = new_cache(self.model)
+        for layer, kv in zip(cache.layers, row.states):
+            if kv is not None:
+                layer.update(*kv)
+                if getattr(layer, "is_sliding", False):
+                    layer.cumulative_length = row.count
+        positions = row.next_position + torch.arange(len(tokens))[None]
+        call_model(self.model, torch.tensor([tokens], device=self.device), cache,
+                   position_ids=row.inputs.positions(positions).to(self.device), head=self.head,
+                   model_inputs=row.inputs.step(len(tokens)))
+        states = tuple(None if kv is None else (layer.keys, layer.values)
+                       for layer, kv in zip(cache.layers, row.states))
+        return _Parked(states, row.count + len(tokens), row.next_position + len(tokens), row.inputs)

@@ -32,6 +32,7 @@ from .drafters.draft_model import DraftModelDrafter
 from .drafters.early_exit import EarlyExit, EarlyExitDrafter
 from .drafters.lookahead import LookaheadDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
+from .inputs import PER_TOKEN, SUPPLIED, ModelInputs
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, Seeding, SpeculativeMemory
 from .models.packed import reordered_only_values
@@ -62,6 +63,7 @@ def speculative_generate(
     spec_config: SpecConfig | dict | None = None,
     speculative_memory=None,
     spec_streamer=None,
+    draft_model_inputs: dict | None = None,
     **model_kwargs,
 ):
     """``custom_generate`` callable: speculative decoding with ``draft_model`` (see module docstring).
@@ -71,6 +73,10 @@ def speculative_generate(
     ``speculative_memory``: a ``SpeculativeMemory`` whose estimates for this draft the call starts from and
     refines (on its first call with this draft, seeded from the cached hardware profile: ``models.seeding``);
     None measures from scratch and keeps nothing.
+    ``draft_model_inputs``: a multimodal draft's own image / audio inputs (``pixel_values``, grids, ...), which it
+    reads with the prompts as plain generate() would (``model.generate`` after ``enable`` passes the caller's
+    when the draft's forward takes them; generate() has encoded them for the target before this call); without
+    them a draft gets the target's per-token inputs its forward takes and reads images as their placeholder ids.
     """
     stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     if draft_model is None:
@@ -102,7 +108,8 @@ def speculative_generate(
             (EarlyExitDrafter if isinstance(key, EarlyExit) else DraftModelDrafter)(  # early exit: no cache of its own
                 draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
                 draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
-                special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id),
+                special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id,
+                model_inputs=_draft_inputs(draft_model, inputs, draft_model_inputs)),
             PerRow(PromptLookupDrafter) if config.history_lookup else None,
         )
     return _run(model, inputs, drafter, make_policy(config, estimates), spec_streamer, generation_config,
@@ -219,39 +226,33 @@ def _check_same_family(model, draft_model) -> None:
 def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, streamer):
     """Refuse what the loop cannot do, and collect the loop's inputs."""
     if generation_config.num_beams > 1 or generation_config.num_return_sequences > 1:
-        raise ValueError(
+        raise ValueError(  # through enable(model), num_beams > 1 runs transformers' beam search (route_generate)
             "hf_specdec does not do beam search or several return sequences "
             f"(num_beams={generation_config.num_beams}, num_return_sequences="
-            f"{generation_config.num_return_sequences}); set both to 1."
+            f"{generation_config.num_return_sequences}); set both to 1, or call model.generate(num_beams=...) "
+            "after hf_specdec.enable(model), which runs transformers' beam search."
         )
     returned = bool(generation_config.return_dict_in_generate)
-    for flag, what in (("output_attentions", "attention weights"), ("output_hidden_states", "hidden states")):
-        if returned and (getattr(generation_config, flag, False) or model_kwargs.get(flag)):
-            raise ValueError(
-                f"hf_specdec does not return per-step {what} ({flag}=True): its forwards read several tokens at "
-                f"once, so they would not be the ones plain generate() returns. Drop {flag}=True, or use plain "
-                "generate() for them."
-            )
-    _check_model_inputs(model_kwargs)
+    model_inputs = _model_inputs(model, input_ids, model_kwargs)
     if generation_config.use_cache is False:
         raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
     kv.check_cache_supported(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-    output_scores = returned and bool(generation_config.output_scores)
-    output_logits = returned and bool(generation_config.output_logits)
+    flags = {flag: returned and bool(getattr(generation_config, flag, False) or model_kwargs.get(flag))
+             for flag in ("output_scores", "output_logits", "output_hidden_states", "output_attentions")}
     rows = input_ids.shape[0]
-    if rows > 1 and (streamer is not None or output_scores or output_logits):
+    if rows > 1 and streamer is not None:
         raise ValueError(
             f"With a batch of {rows} prompts, rows emit different numbers of tokens per round, so hf_specdec cannot "
-            "stream them or return per-step scores or logits (streamer= / output_scores=True / output_logits=True). "
-            "Drop those, or generate one prompt at a time."
+            "stream them (streamer=). Drop it, or generate one prompt at a time."
         )
-    mask = model_kwargs.get("attention_mask")
-    _check_positions(input_ids, mask, model_kwargs.get("position_ids"), generation_config)
+    mask = model_kwargs.get("attention_mask")  # zeros anywhere (padding, holes): masked as plain masks them
+    positions = model_kwargs.get("position_ids")  # [K, B, P] multimodal positions are model_inputs'
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    cached, positions = _check_positions(model_inputs.prompt_ids(input_ids), mask, None if
+                                         positions is not None and positions.dim() == 3 else positions, cache,
+                                         generation_config)
     if mask is not None:
         mask = mask.to(input_ids.device)
-        num_pad = (mask.cumsum(-1) == 0).sum(-1)  # leading zeros per row
-        if not bool((mask.sum(-1) + num_pad == mask.shape[1]).all()):
-            raise ValueError("attention_mask has zeros after the first real token; only left padding is supported.")
         if bool(mask.all()):
             mask = None
     pad_token = getattr(generation_config, "_pad_token_tensor", None)
@@ -269,39 +270,62 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         vocab_size=vocab_size(model),
         pad_token_id=pad_token,
         attention=getattr(model.config, "_attn_implementation", None) or "eager",
-        output_scores=output_scores,
-        output_logits=output_logits,
+        **flags,
+        model_inputs=model_inputs,
+        cache=cache,
+        cached=cached,
+        position_ids=positions,
+        # plain generate() returns its cache with return_dict_in_generate, and extends a caller's in place
+        return_cache=returned or bool(getattr(cache, "_is_user_defined", False)),
     )
 
 
-# what the loop gives the model itself (the mask, the positions plain generate derives from it, its own cache), or
-# what changes no output; generate() adds position_ids, logits_to_keep, the cache and use_cache to every call. The
-# output_* flags only matter with return_dict_in_generate=True, where _prepare refuses them.
-_LOOP_INPUTS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep",
-                          "output_attentions", "output_hidden_states"})
-_DROP_HINTS = {"token_type_ids": " (e.g. tokenizer(..., return_token_type_ids=False))"}
-# inputs generate() builds from the caller's own before a custom_generate callable sees them: named in a refusal
-# by what the caller passed
-_MADE_BY_GENERATE = {
-    "mm_encoder_outputs": "the image / video inputs (pixel_values, ...), which generate() encoded into "
-                          "mm_encoder_outputs,",
-    "encoder_outputs": "the encoder inputs, which generate() encoded into encoder_outputs,",
+# inputs hf_specdec cannot carry as plain generate() carries them, with what to do instead: masks over images that
+# the model's own _update_model_kwargs_for_generation grows by a copy of their last row with every new token
+_UNSUPPORTED = {
+    "cross_attention_mask": "its rows follow the text tokens, and hf_specdec does not grow it over several new "
+                            "tokens per forward",
+    "image_attention_mask": "its rows follow the text tokens, and hf_specdec does not grow it over several new "
+                            "tokens per forward",
 }
 
 
 def _check_model_inputs(model_kwargs: dict) -> None:
-    """Refuse a model input the loop would not pass to the model (before any forward of the loop)."""
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("hf_specdec needs input_ids, not inputs_embeds: pass input_ids=, or use plain generate().")
+    """Refuse a model input the loop cannot pass as plain generate() does (before any forward). Every other one
+    is carried (``inputs.ModelInputs``): token types, images and audio, a prompt's embeddings."""
     for name, value in model_kwargs.items():
-        if name in _LOOP_INPUTS or value is None:
-            continue
-        what = _MADE_BY_GENERATE.get(name, name)
-        raise ValueError(
-            f"hf_specdec does not pass {what} to the model yet, so its output would differ from plain generate(); "
-            f"drop {'them' if name in _MADE_BY_GENERATE else 'it'}{_DROP_HINTS.get(name, '')} if your model ignores "
-            f"{'them' if name in _MADE_BY_GENERATE else 'it'}, or use plain generate()."
-        )
+        if value is not None and name in _UNSUPPORTED:
+            raise ValueError(f"hf_specdec cannot pass {name} to the model as plain generate() does: "
+                             f"{_UNSUPPORTED[name]}. Use plain generate() with {name}=.")
+
+
+def _model_inputs(model, input_ids, model_kwargs: dict) -> ModelInputs:
+    """The call's other model inputs, as plain generate() gives them to each forward (``inputs.py``)."""
+    _check_model_inputs(model_kwargs)
+    return ModelInputs.from_generate(model, input_ids, model_kwargs)
+
+
+def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None) -> ModelInputs:
+    """What the draft model's forwards get: with image / audio inputs of its own (``draft_model_inputs``), those
+    and its per-token inputs as plain generate() would give them to it (its own positions: multimodal RoPE);
+    otherwise the target's per-token inputs its forward takes."""
+    if not given:
+        return inputs.model_inputs.for_draft(draft_model)
+    kwargs = {**given, "attention_mask": inputs.attention_mask}
+    if kv.accepts_position_ids(draft_model):
+        kwargs["position_ids"] = draft_model._prepare_position_ids_for_generation(inputs.input_ids, dict(kwargs))
+    return ModelInputs.from_generate(draft_model, inputs.input_ids, kwargs)
+
+
+def _draft_model_inputs(draft_model, kwargs: dict) -> dict | None:
+    """The caller's model inputs a multimodal draft model reads (its forward takes them, images among them),
+    before generate() encodes the images for the target; None for a text-only draft."""
+    if not isinstance(draft_model, torch.nn.Module) or hasattr(draft_model, "propose"):
+        return None
+    forward = frozenset(inspect.signature(type(draft_model).forward).parameters)
+    given = {name: value for name, value in kwargs.items()
+             if value is not None and name in forward and name not in _GENERATE_ARGUMENTS and name not in SUPPLIED}
+    return given if any(name not in PER_TOKEN for name in given) else None
 
 
 # generate()'s own arguments and the generation config's fields: everything else a caller passes is a model input
@@ -312,7 +336,7 @@ _GENERATE_ARGUMENTS = (frozenset(inspect.signature(GenerationMixin.generate).par
 
 def _refuse_up_front(model, mode: str, args: tuple, kwargs: dict) -> None:
     """What the callable would refuse, refused before generate() runs anything: a model (or draft) hf_specdec
-    cannot run exactly, and the model inputs the model's forward names that the loop does not pass. Without this,
+    cannot run exactly, and the model inputs the model's forward names that the loop cannot pass. Without this,
     generate() would first run an encoder or encode images, or a class's own generate() its own steps. Inputs the
     forward does not name are left to generate()'s own validation (a typo) and to the callable's check."""
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -326,30 +350,39 @@ def _refuse_up_front(model, mode: str, args: tuple, kwargs: dict) -> None:
                          if name not in _GENERATE_ARGUMENTS and (name in forward or name == "inputs_embeds")})
 
 
-def _check_positions(input_ids, mask, positions, generation_config) -> None:
-    """The mask must have input_ids' shape, and positions must be those plain generate derives from it (the ones
-    the loop gives the model). generate() drops an all-ones mask before the callable sees it, so a wrong-shaped one
-    shows in the positions it derived from it (or in the mask length it recorded, for a model without
-    position_ids)."""
+def _check_positions(input_ids, mask, positions, cache, generation_config) -> tuple[int, torch.Tensor | None]:
+    """Which leading columns of ``input_ids`` the cache already holds, and the positions of the others, as plain
+    generate()'s prefill decides them: with a mask (or, where generate() dropped an all-ones one, the length it
+    recorded) as long as input_ids, input_ids is the whole prompt and the cache holds its first columns; with a
+    longer one, input_ids are the new tokens after the cache's. Positions are the last columns of those generate()
+    derived from the mask or the caller gave (plain generate() reads them so, and counts on from the last one).
+    A mask may hold zeros anywhere (padding, holes). Returns (cached columns, positions [B or 1, n] or None)."""
     shape = tuple(input_ids.shape)
-    mask_length = getattr(generation_config, "_mask_length", None)
-    for name, given in (("attention_mask", mask), ("attention_mask (or position_ids)", positions)):
-        if given is not None and tuple(given.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(given.shape)} but input_ids has shape {shape}; pass an "
-                             "attention_mask of input_ids' shape (1 for tokens, 0 for left padding), or none.")
-    if mask is None and mask_length is not None and mask_length != shape[1]:
-        raise ValueError(f"attention_mask has {mask_length} columns but input_ids has shape {shape}; pass an "
-                         "attention_mask of input_ids' shape (1 for tokens, 0 for left padding), or none.")
+    rows, width = shape
+    past = cache.get_seq_length() if cache is not None else 0
+    lengths = (width, past + width)  # the whole prompt, or the cache's columns and the new tokens
+    over = "over the cache's columns and input_ids" if past else "of input_ids' shape"
+    advice = f"; pass an attention_mask {over} (1 for tokens, 0 for padding), or none."
+    if mask is not None and (mask.dim() != 2 or mask.shape[0] != rows or mask.shape[1] not in lengths):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape {shape}{advice}")
+    if positions is not None and (positions.dim() != 2 or positions.shape[0] not in (1, rows)
+                                  or positions.shape[1] not in lengths):
+        # generate() drops an all-ones mask but derives the positions from it: a wrong shape shows here
+        raise ValueError(f"attention_mask (or position_ids) has shape {tuple(positions.shape)} but input_ids has "
+                         f"shape {shape}{advice}")
+    recorded = getattr(generation_config, "_mask_length", None)
+    mask_length = mask.shape[1] if mask is not None else (recorded if recorded is not None else width)
+    if mask_length not in lengths:
+        raise ValueError(f"attention_mask has shape {(rows, mask_length)} but input_ids has shape {shape}{advice}")
+    cached = past if mask_length == width else 0
+    if past and cached >= width:
+        raise ValueError(f"The cache passed in already holds {past} columns, and input_ids has {width}: nothing of "
+                         "the prompt is left to read. Pass input_ids with at least one token after the cached ones "
+                         "(the whole prompt, or only the new tokens with an attention_mask over both).")
     if positions is None:
-        return
-    if mask is not None:
-        expected = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    else:
-        expected = torch.arange(shape[1], device=input_ids.device).expand(shape)
-    if not torch.equal(positions.to(expected.device), expected):
-        raise ValueError("hf_specdec does not pass position_ids to the model yet (it gives every token the position "
-                         "plain generate() derives from attention_mask), so its output would differ from plain "
-                         "generate(); drop position_ids=, or use plain generate().")
+        return cached, None
+    read = width - cached
+    return cached, positions[:, positions.shape[1] - read:].to(input_ids.device)
 
 
 def _run(model, inputs, drafter, policy, streamer, generation_config, mode, origin: Seeding):
@@ -360,7 +393,9 @@ def _run(model, inputs, drafter, policy, streamer, generation_config, mode, orig
     if not generation_config.return_dict_in_generate:
         return decoded.sequences
     return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None,
-                              logits=decoded.logits or None, spec_stats=stats)
+                              logits=decoded.logits or None, attentions=decoded.attentions or None,
+                              hidden_states=decoded.hidden_states or None, cache=decoded.cache,
+                              spec_stats=stats)
 
 
 # -- enable(model) --------------------------------------------------------------------------------------------------
@@ -413,6 +448,12 @@ def route_generate(original, *args, model=None, assistant_model=None, assistant_
     if mode not in ("speculative", "lookahead"):
         raise ValueError(f"decoding={decoding!r} is unknown: use 'speculative' (with assistant_model=) or 'lookahead'.")
     _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config)
+    beams = _num_beams(model, kwargs)
+    if beams > 1:  # transformers' own way with an assistant: one warning, then beam search without it
+        logger.warning("hf_specdec: num_beams=%d runs transformers' beam search, as generate() does with an "
+                       "assistant; %s is unused.", beams,
+                       "decoding='lookahead'" if mode == "lookahead" else "the draft (assistant_model=)")
+        return original(*args, **kwargs)
     if kwargs.get("assistant_tokenizer") is not None:
         # different tokenizers: hf_specdec verifies token ids, so hand over to transformers' universal assisted generation
         logger.info("hf_specdec: assistant_tokenizer given, delegating to transformers' universal assisted generation.")
@@ -427,7 +468,16 @@ def route_generate(original, *args, model=None, assistant_model=None, assistant_
     if assistant_model is None:
         raise ValueError("decoding='speculative' needs assistant_model=<draft model>.")
     return original(*args, custom_generate=speculative_generate, draft_model=assistant_model,
-                    spec_config=spec_config, speculative_memory=speculative_memory, spec_streamer=streamer, **kwargs)
+                    spec_config=spec_config, speculative_memory=speculative_memory, spec_streamer=streamer,
+                    draft_model_inputs=_draft_model_inputs(assistant_model, kwargs), **kwargs)
+
+
+def _num_beams(model, kwargs: dict) -> int:
+    """The call's ``num_beams``, as generate() resolves it: the argument, else the generation config passed, else
+    the model's."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = kwargs.get("num_beams")
+    return int(beams if beams is not None else getattr(config, "num_beams", None) or 1)
 
 
 def _early_exit_draft(layers, assistant_model, decoding) -> EarlyExit:

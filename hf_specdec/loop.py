@@ -19,7 +19,11 @@
 
 The invariant between rounds: each row's cache keeps exactly its committed tokens except the last one, which is
 the first input of its next forward, and nothing written since (no slot is pending a keep); its positions are
-those plain ``generate`` gives (``cumsum(mask) - 1``), and ``lengths[r]`` is the position of that last token.
+those plain ``generate`` gives (the prompt's as ``generate`` derived or was given them, each later token at the
+last one + 1), and ``next_positions()[r]`` is the position of that last token. A cache passed in holds the
+prompt's first columns: the prefill reads only the others; a cache plain would return is left as plain leaves it
+(``KVStore.finish``). A drafter sees each row's tokens the target attends to (no padding, no holes of the mask),
+in order: a draft model reads them at its own positions 0, 1, ..., the target's view of the same text.
 
 Out of memory while verifying guesses redoes the round with at most half as many guesses per row and no
 window (``policy.CappedPolicy``); out of memory again, or in the drafter, frees the drafter and finishes with
@@ -39,6 +43,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from . import cache as kv
 from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
+from .inputs import NO_INPUTS, ModelInputs
 from .layout import round_layout, stack_layouts
 from .policy import CappedPolicy, Policy
 from .round import Proposal, RoundOutcome, RowView
@@ -65,14 +70,57 @@ class DecodeInputs:
     attention: str = "sdpa"  # the target's attention implementation (how a 4-D mask is given to it)
     output_scores: bool = False
     output_logits: bool = False
+    output_hidden_states: bool = False
+    output_attentions: bool = False
+    # the model's other inputs (token types, images, a prompt's embeddings, multimodal positions), given to every
+    # target forward as plain generate gives them (``inputs.py``); NO_INPUTS for most calls
+    model_inputs: ModelInputs = NO_INPUTS
+    # the cache generate() prepared: a caller's (holding the prompt's first ``cached`` columns of input_ids, or
+    # columns before them when input_ids are only the new tokens) or a fresh one; None: the store makes one
+    cache: object | None = None
+    cached: int = 0  # input_ids' leading columns that cache holds: the prefill reads the others
+    position_ids: torch.Tensor | None = None  # [B or 1, P - cached] the positions of what the prefill reads, or None
+    return_cache: bool = False  # hand the cache back (``Decoded.cache``) in the state plain generate leaves it
+
+    @property
+    def returns(self) -> bool:
+        """Does the call return anything per emitted token (``Step``)?"""
+        return self.output_scores or self.output_logits or bool(self.record)
+
+    @property
+    def record(self) -> kv.Recording:
+        """What the target's forwards record for the call to return (nothing unless asked: no cost)."""
+        return kv.Recording(self.output_hidden_states, self.output_attentions)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the call returns for one emitted token of one row, as plain ``generate`` returns it for that step, each
+    None unless asked: processed scores and raw logits (float32) [1, V]; hidden states (embeddings, then each
+    layer) [1, 1, D] and attentions (one per layer) [1, heads, 1, P + t] at step t, from the forward whose input
+    was the token before (the row's padding columns at weight 0, a trie's other branches and holes left out),
+    and for the first token those of the prompt's forward, [1, P, D] and [1, heads, P, P]; attentions are ()
+    where the attention kernel returns none (sdpa, as in plain ``generate``)."""
+
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class Decoded:
+    """What ``decode`` returns: per output flag, one entry per step as plain ``generate`` returns them (B rows
+    stacked; empty unless asked); ``cache``: the cache to return as plain ``generate`` does, once the loop can
+    give it in plain's layout (None until then)."""
+
     sequences: torch.LongTensor  # [B, P + new], rows that stopped early padded with pad_token_id
     stats: SpecStats
-    scores: tuple[torch.Tensor, ...]  # processed scores [1, V] of each emitted token (one row), if asked
-    logits: tuple[torch.Tensor, ...] = ()  # raw logits [1, V] (float32, as generate) of each emitted token, if asked
+    scores: tuple[torch.Tensor, ...] = ()  # processed scores [B, V] of each step, if asked
+    logits: tuple[torch.Tensor, ...] = ()  # raw logits [B, V] (float32, as generate) of each step, if asked
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] = ()  # per step, per layer (Step), if asked
+    attentions: tuple[tuple[torch.Tensor, ...], ...] = ()  # per step, per layer (Step), if asked
+    cache: object | None = None
 
 
 @dataclass
@@ -96,15 +144,16 @@ class _Row:
 
 def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecStats, streamer=None) -> Decoded:
     """Run the loop (module docstring)."""
-    emitter, scores_out = Emitter(streamer), []
+    emitter = Emitter(streamer)
+    steps: list[list[Step]] = [[] for _ in range(inputs.input_ids.shape[0])]  # per row, per emitted token, if asked
     start = time.perf_counter()
     emitter.prompt(inputs.input_ids)
-    cache = kv.KVStore(inputs.target, inputs.attention)
+    cache = kv.KVStore(inputs.target, inputs.attention, cache=inputs.cache, returns_cache=inputs.return_cache)
     rows = _rows(inputs)
-    _prefill(inputs, cache, rows, emitter, scores_out)
+    _prefill(inputs, cache, rows, emitter, steps)
     prefill_seconds = time.perf_counter() - start
     stats.record_prefill(prefill_seconds, emitted=len(rows))
-    policy.observe_prefill(int(inputs.input_ids.numel()), prefill_seconds)
+    policy.observe_prefill(int(inputs.input_ids[:, inputs.cached:].numel()), prefill_seconds)
     active = _leave(cache, rows)
     if active and hasattr(drafter, "attach"):  # a drafter that reads the target's own cache (early exit)
         drafter.attach(cache)
@@ -131,8 +180,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
             policy, drafter = _shrink(error, policy, drafter, proposals, stats)
             continue
         # 7. emit
-        outcomes = [_emit(inputs, emitter, scores_out, row, outcome, row_scores, plan=plan)
-                    for row, outcome, plan, row_scores in zip(active, outcomes, plans, scores)]
+        outcomes = [_emit(inputs, emitter, steps, row, outcome, returned, plan=plan)
+                    for row, outcome, plan, returned in zip(active, outcomes, plans, scores)]
         # 8. learn
         stats.record(outcomes)
         policy.observe(outcomes)
@@ -143,21 +192,28 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     stats.total_time_s = time.perf_counter() - start
     stats.cache_bytes, stats.draft_cache_bytes = cache.nbytes(), drafter.cache_bytes()
     drafter.release()
-    return Decoded(_sequences(rows, inputs.pad_token_id), stats,
-                   tuple(s for s, _ in scores_out) if inputs.output_scores else (),
-                   tuple(raw for _, raw in scores_out) if inputs.output_logits else ())
+    if inputs.return_cache:  # as plain generate() leaves it: the prompt and every emitted token but the last
+        cache.finish([row.new for row in rows], inputs.pad_token_id)
+    return Decoded(_sequences(rows, inputs.pad_token_id), stats, **_stacked(inputs, steps),
+                   cache=cache.cache if inputs.return_cache else None)
 
 
 def _rows(inputs: DecodeInputs) -> list[_Row]:
-    mask = inputs.attention_mask
+    mask = inputs.attention_mask  # [B, M]: M >= P with a cache passed in, or a prompt given as embeddings
+    if mask is not None:  # the columns of input_ids: a drafter sees the tokens the target attends to
+        mask = mask[:, mask.shape[1] - inputs.input_ids.shape[1]:]
     return [_Row(r, inputs.input_ids[r], inputs.input_ids[r] if mask is None else inputs.input_ids[r, mask[r].bool()])
             for r in range(inputs.input_ids.shape[0])]
 
 
-def _prefill(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], emitter: Emitter, scores_out: list) -> None:
-    """The target reads the whole prompts and emits one token per row."""
+def _prefill(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], emitter: Emitter,
+             steps: list[list[Step]]) -> None:
+    """The target reads the whole prompts and emits one token per row (its step 0: the prompt's hidden states and
+    attentions, when asked)."""
     try:
-        logits = cache.prefill(inputs.input_ids, inputs.attention_mask).logits[:, 0, : inputs.vocab_size]  # [B, V]
+        read = cache.prefill(inputs.model_inputs.prompt_ids(inputs.input_ids)[:, inputs.cached:], inputs.attention_mask,
+                             record=inputs.record, positions=inputs.position_ids, inputs=inputs.model_inputs)
+        logits = read.logits[:, 0, : inputs.vocab_size]  # [B, V]
     except Exception as error:  # noqa: BLE001 - re-raised, with advice when it is out of memory
         if is_out_of_memory(error):
             raise RuntimeError(
@@ -169,7 +225,8 @@ def _prefill(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], emitter:
         raw = logits[row.row: row.row + 1].clone() if inputs.output_logits else None  # before any processor
         scores = _process(inputs, row.padded(), Proposal(), logits[row.row: row.row + 1])  # [1, V]
         first = verify((), (), None, scores, inputs.do_sample).next_token
-        _emit(inputs, emitter, scores_out, row, None, _returned(inputs, scores, raw, [0]), tokens=[first])
+        prompt = [_rows_of(read.hidden_states, row.row), _rows_of(read.attentions, row.row)]
+        _emit(inputs, emitter, steps, row, None, _returned(inputs, scores, raw, [0], [prompt]), tokens=[first])
 
 
 def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], views: list[RowView],
@@ -177,8 +234,8 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     """Steps 4-6 for every row at once: one forward over the stacked rounds, processors, verification, and the
     cache keeps each row's last token and accepted path (their KV computed in this forward, not recomputed).
 
-    Returns (per row, the outcome without its emitted tokens; per row, processed scores [1 + a, V] of the
-    tokens it would emit, or None when the call does not return scores).
+    Returns (per row, the outcome without its emitted tokens; per row, the ``Step`` of each token it would emit,
+    or None when the call returns none).
     """
     start = time.perf_counter()
     layouts = [round_layout(proposal, int(view.ids[-1])) for view, proposal in zip(views, proposals)]
@@ -188,7 +245,7 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     where = torch.full((batch.input_ids.shape[1],), -1, dtype=torch.long)
     where[needed] = torch.arange(needed.shape[0])
     full = needed.shape[0] == batch.input_ids.shape[1]
-    written = cache.forward(batch, logits_at=needed.shape[0] if full else needed)
+    written = cache.forward(batch, logits_at=needed.shape[0] if full else needed, record=inputs.record)
     logits = written.logits[..., : inputs.vocab_size]  # [B, |needed|, V]
     # the target's own choice and top choices at every computed row, for the whole batch at once: one call each
     # instead of one per row (per-row calls measured 2-3x slower at B = 8 on CPU); its own choice only where it is
@@ -212,8 +269,10 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
             row_scores = _process(inputs, row.padded(), proposal, row_logits)  # [1 + T, V]
             verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
         verdicts.append(verdict)
-        scores.append(_returned(inputs, row_scores, row_raw, [0] + [1 + node for node in verdict.accepted]))
         kept.append(written.slots[i, layout.kept_inputs(verdict.accepted)].tolist())
+        recorded = _recorded(written, cache, i, layout.kept_inputs(verdict.accepted), kept[-1],
+                             row.prompt.shape[0] - row.unpadded.shape[0]) if inputs.record else None
+        scores.append(_returned(inputs, row_scores, row_raw, [0] + [1 + node for node in verdict.accepted], recorded))
     cache.keep(kept)
     seconds = time.perf_counter() - start
     outcomes = []
@@ -246,15 +305,79 @@ def _process(inputs: DecodeInputs, ids: torch.LongTensor, proposal: Proposal, lo
     return torch.cat(rows, dim=0)
 
 
-def _returned(inputs: DecodeInputs, scores, logits, kept: list[int]):
-    """What the call returns for the tokens at rows ``kept`` of a round: (processed scores [n, V], raw logits
-    [n, V] in float32 as generate returns them), each None unless asked; None when neither is."""
-    if not (inputs.output_scores or inputs.output_logits):
+def _returned(inputs: DecodeInputs, scores, logits, kept: list[int], recorded=None) -> list[Step] | None:
+    """What the call returns for the tokens at rows ``kept`` of a round (processed scores and raw logits
+    [1 + T, V]; ``recorded``: per kept token, its (hidden states, attentions), ``_recorded``): one ``Step`` per
+    token, None when nothing is asked."""
+    if not inputs.returns:
         return None
-    return (scores[kept] if inputs.output_scores else None, logits[kept].float() if inputs.output_logits else None)
+    recorded = recorded or [(None, None)] * len(kept)
+    return [Step(scores[k: k + 1] if inputs.output_scores else None,
+                 logits[k: k + 1].float() if inputs.output_logits else None,
+                 hidden if inputs.output_hidden_states else None,
+                 attentions if inputs.output_attentions else None) for k, (hidden, attentions) in zip(kept, recorded)]
 
 
-def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, scores, tokens=None, plan=None):
+def _rows_of(states: tuple[torch.Tensor, ...] | None, row: int) -> tuple[torch.Tensor, ...] | None:
+    """One row of each layer's tensor (the prompt's hidden states or attentions), None when not recorded."""
+    return None if states is None else tuple(layer[row: row + 1] for layer in states)
+
+
+def _recorded(written: kv.ForwardResult, cache: kv.KVStore, i: int, inputs: list[int], slots: list[int],
+              padding: int) -> list[tuple]:
+    """Per emitted token of row ``i`` of a verify forward, its (hidden states, attentions) as plain ``generate``
+    records them: those of the input before it on the kept path (``inputs``: the last token, then the accepted
+    nodes, written at ``slots``); attention rows with the columns plain's forward had (``KVStore.attention_rows``:
+    the row's ``padding`` at weight 0, its tokens, the path up to the input; no hole, no other branch, no other
+    row's padding). Computed before ``keep``."""
+    recorded = []
+    for j, index in enumerate(inputs):
+        hidden = None if written.hidden_states is None else tuple(
+            layer[i: i + 1, index: index + 1] for layer in written.hidden_states)  # [1, 1, D] each
+        attentions = None
+        if written.attentions is not None:
+            total = int(written.slots[i, -1]) + 1  # every column of the forward: the kept ones and its inputs
+            attentions = cache.attention_rows(written.attentions, i, index, slots[: j + 1], padding, total)
+        recorded.append((hidden, attentions))
+    return recorded
+
+
+def _stacked(inputs: DecodeInputs, steps: list[list[Step]]) -> dict:
+    """Each row's steps stacked per step, as plain ``generate`` returns them: ``Decoded``'s flag fields.
+
+    A row that stopped before the others has no steps after its stop; plain ``generate`` goes on feeding it
+    padding and returns what those forwards give, which hf_specdec does not run: its entries there are NaN."""
+    longest = max(len(row) for row in steps)
+    if not inputs.returns or not longest:
+        return {}
+    if any(len(row) < longest for row in steps):
+        logger.warning("hf_specdec: a row stopped before the others; its scores, logits, hidden states and "
+                       "attentions after its stop are NaN (plain generate() computes them over padding).")
+    fields = {}
+    for name in ("scores", "logits", "hidden_states", "attentions"):
+        if getattr(steps[0][0], name) is None:
+            continue
+        per_step = []
+        for t in range(longest):
+            present = next(row[t] for row in steps if len(row) > t)
+            entries = [getattr(row[t] if len(row) > t else present, name) for row in steps]
+            missing = [len(row) <= t for row in steps]
+            per_step.append(_stack(entries, missing))
+        fields[name] = tuple(per_step)
+    return fields
+
+
+def _stack(entries: list, missing: list[bool]):
+    """Rows' entries of one step (a tensor, or a tuple of them per layer) concatenated over rows; a missing row's
+    (a stand-in of another row's shape) as NaN."""
+    if isinstance(entries[0], tuple):
+        return tuple(_stack([entry[layer] for entry in entries], missing) for layer in range(len(entries[0])))
+    return torch.cat([torch.full_like(entry, float("nan")) if gone else entry
+                      for entry, gone in zip(entries, missing)])
+
+
+def _emit(inputs, emitter, steps: list[list[Step]], row: _Row, outcome: RoundOutcome | None, returned,
+          tokens=None, plan=None):
     """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
     if tokens is None:
         tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
@@ -264,9 +387,8 @@ def _emit(inputs, emitter, scores_out, row: _Row, outcome: RoundOutcome | None, 
         emitter.round(new_tokens, 0)
     else:
         emitter.round(new_tokens, outcome.num_accepted, outcome.proposal)
-    if scores is not None:  # (processed scores, raw logits) of the tokens offered, each None unless asked
-        scores_out.extend(tuple(None if part is None else part[i: i + 1] for part in scores)
-                          for i in range(new_tokens.shape[0]))
+    if returned is not None:  # the Step of each token offered; those emitted are returned
+        steps[row.row].extend(returned[: new_tokens.shape[0]])
     row.new.extend(new_tokens.tolist())
     row.done = stop or row.prompt.shape[0] + len(row.new) >= inputs.max_length
     if outcome is None:

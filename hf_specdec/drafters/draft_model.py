@@ -33,6 +33,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from .. import cache as kv
+from ..inputs import NO_INPUTS, ModelInputs
 from ..layout import BatchInputs, RoundLayout, stack_layouts
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 from ..verify import greedy_choice
@@ -95,8 +96,10 @@ class DraftModelDrafter:
         draft_vocab_size: int | None = None,
         special_token_ids: tuple[int, ...] = (),
         pad_token_id: int = 0,
+        model_inputs: ModelInputs = NO_INPUTS,  # the draft's other inputs (``inputs.py``): token types, images
     ) -> None:
         self.model = draft_model
+        self.inputs = model_inputs
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.vocab_size = vocab_size
@@ -114,8 +117,11 @@ class DraftModelDrafter:
 
     def prefill(self, views: Sequence[RowView]) -> None:
         """Nothing yet: the draft reads the prompts the first time a plan asks it to draft (``_read``), so a call
-        in which speculation never pays never runs the draft model at all."""
+        in which speculation never pays never runs the draft model at all; a draft with images of its own reads
+        them with the prompts now, while its batch is still the caller's (``ModelInputs.laid_out``)."""
         self.rows = [view.row for view in views]
+        if self.inputs.laid_out:
+            self._read(views)
 
     @torch.no_grad()  # the loop decodes under no_grad; a drafter called on its own must not build a graph
     def _read(self, views: Sequence[RowView]) -> float:
@@ -124,7 +130,9 @@ class DraftModelDrafter:
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
         self.cache = kv.KVStore(self.model, attention, head=self._narrow_head(views))
         prompts, mask = _left_padded([self._readable(view.ids[:-1]) for view in views], self.pad_token_id)
-        self.cache.prefill(prompts, mask, logits_at=1)
+        inputs = self.inputs.relaid([view.row for view in views], [view.ids.shape[0] - 1 for view in views],
+                                    prompts.shape[1])
+        self.cache.prefill(prompts, mask, logits_at=1, inputs=inputs)
         self._written = [[] for _ in views]
         return time.perf_counter() - start
 
