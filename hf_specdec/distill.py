@@ -68,8 +68,8 @@ CHECKPOINT_DIR = "checkpoint"  # output_dir/checkpoint: the latest resumable sta
 TEACHER_FILE = "teacher.pt"  # output_dir/teacher.pt: the continuations and teacher rows
 REPORT_FILE = "distill_report.json"  # output_dir/distill_report.json: DistillReport.to_dict()
 TRAINER_FILE = "trainer.pt"
-EXPECTED_KS = (1, 2, 4, 8)  # draft lengths the report gives expected tokens per round for
 SPEED_MAX_K = 8  # the longest draft the predicted speedup considers (``hf-specdec check``'s)
+EXPECTED_KS = tuple(range(1, SPEED_MAX_K + 1))  # the report's expected tokens per round, by k
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -637,8 +637,7 @@ class Score(NamedTuple):
 
     def acceptance(self) -> dict:
         """What ``compat.predict`` reads: the agreement and the run-length tokens per round at k = 1..8."""
-        return {"alpha": self.agreement, "expected_tokens_measured": {
-            str(k): v for k, v in self.expected(range(1, SPEED_MAX_K + 1)).items()}}
+        return {"alpha": self.agreement, "expected_tokens_measured": {str(k): v for k, v in self.expected().items()}}
 
 
 @torch.no_grad()
@@ -676,7 +675,9 @@ class DistillReport:
     speedup over plain decoding that the cost model predicts from that c, the target's measured v(n) and the
     held-out run lengths before / after training, at the draft length ``k_before`` / ``k_after`` it picks
     (``compat.predict`` and ``drafting_row``, as ``hf-specdec check`` predicts; 1.0 and k = 0 where drafting does
-    not pay); None without the target in memory or with ``speed=False``.
+    not pay); ``verify_cost``: what that prediction priced a round's target forward at, v(k + 1) in target steps
+    per k (so a speedup is ``expected_tokens[k] / (k c + verify_cost[k])``); None without the target in memory or
+    with ``speed=False``.
     ``drafter``: the trained model (not in ``to_dict``); with an ``output_dir`` it is also saved there."""
 
     loss: str
@@ -707,14 +708,16 @@ class DistillReport:
     speedup_after: float | None = None
     k_before: int | None = None
     k_after: int | None = None
+    verify_cost: dict[int, float] | None = None
     resumed_from: int | None = None
     output_dir: str | None = None
     drafter: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "drafter"}
-        for key in ("expected_tokens_before", "expected_tokens_after"):
-            data[key] = {str(k): v for k, v in data[key].items()}
+        for key in ("expected_tokens_before", "expected_tokens_after", "verify_cost"):
+            if data[key] is not None:
+                data[key] = {str(k): v for k, v in data[key].items()}
         return data
 
     def summary(self) -> str:
@@ -825,7 +828,7 @@ def predict_speed(target, drafter, examples: Sequence[Example], acceptance: Mapp
                   context_tokens: int = 100) -> dict[str, Any]:
     """c of ``drafter`` against ``target`` (measured here, on top of ``context_tokens`` of the examples' text), and
     for each named ``acceptance`` (``Score.acceptance``) the speedup and k the cost model predicts: the
-    ``DistillReport`` fields ``c``, ``speedup_<name>``, ``k_<name>``."""
+    ``DistillReport`` fields ``c``, ``verify_cost``, ``speedup_<name>``, ``k_<name>``."""
     from .models.compat import costs_over, drafting_row, predict  # the check's probe and prediction
 
     text = torch.cat([e.ids for e in examples])
@@ -834,7 +837,7 @@ def predict_speed(target, drafter, examples: Sequence[Example], acceptance: Mapp
     drafter.eval()
     cost = costs_over(target, drafter, prefix, max_k=SPEED_MAX_K)
     drafter.train(was_training)
-    found: dict[str, Any] = {"c": cost["c"]}
+    found: dict[str, Any] = {"c": cost["c"], "verify_cost": {int(k): v for k, v in cost["verify_cost"].items()}}
     for name, measured in acceptance.items():
         if measured is not None:  # a checkpoint written before these were kept has none
             row = drafting_row(cost, predict(cost, measured, SPEED_MAX_K))

@@ -82,6 +82,53 @@ def test_the_report_gives_c_and_the_speedup_the_cost_model_predicts(teacher, run
     assert found["k_after"] >= 1 and found["speedup_after"] > 2.0, found
 
 
+def test_each_predicted_speedup_is_the_reports_own_figures(run):
+    """The report's speedups are its own figures: at the k it gives, its held-out expected tokens per round over
+    that round's price in target steps, k c + v(k + 1) (``verify_cost``), 1.0 exactly at k = 0; and no other k of
+    its figures beats a k > 0 it gives."""
+    report, out = run
+    assert report.verify_cost is not None and sorted(report.verify_cost) == list(range(distill_module.SPEED_MAX_K + 1))
+    assert report.verify_cost[0] == pytest.approx(1.0)  # a plain step is the unit
+    for k, speedup, expected in ((report.k_before, report.speedup_before, report.expected_tokens_before),
+                                 (report.k_after, report.speedup_after, report.expected_tokens_after)):
+        rates = {j: expected[j] / (j * report.c + report.verify_cost[j]) for j in expected}
+        if k == 0:  # no k > 0 pays at these figures
+            assert speedup == 1.0 and max(rate for j, rate in rates.items() if j > 0) <= 1.0, rates
+        else:
+            assert speedup == pytest.approx(rates[k], rel=1e-9), (k, rates)
+            assert speedup > 1.0 and speedup == pytest.approx(max(rates.values()), rel=1e-9), (k, rates)
+    saved = json.loads((out / distill_module.REPORT_FILE).read_text())
+    assert {int(k): v for k, v in saved["verify_cost"].items()} == report.verify_cost
+
+
+def test_a_drafter_that_pays_gets_the_speedup_of_its_own_figures(teacher, monkeypatch, tmp_path):
+    """On a virtual clock (a target forward 1 s whatever its width, any other forward 0.05 s) a drafter that is the
+    target's own two layers agrees everywhere: its report gives c = 0.05 exactly, every v(k + 1) = 1, the longest
+    k, and the speedup its expected tokens make at that price, (k + 1) / (k c + 1)."""
+    from types import SimpleNamespace
+
+    from hf_specdec import costmodel
+    from tests.clock import VirtualClock
+
+    clock = VirtualClock(monkeypatch)
+    monkeypatch.setattr(costmodel, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    clock.charge(monkeypatch, teacher, lambda n: 1.0, name="target")
+    forward = type(teacher).forward
+
+    def drafter_step(model, *args, **kwargs):  # the drafter is built inside distill(): its class is charged
+        clock.now += 0.05
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(type(teacher), "forward", drafter_step)  # the teacher's own (instance) forward comes first
+    data = prompts()
+    report = distill(teacher, None, data[:4], heldout=data[16:], steps=0, output_dir=tmp_path,
+                     **{**RUN, "start": "target_first:2"})
+    k = distill_module.SPEED_MAX_K
+    assert report.agreement_after == 1.0 and report.expected_tokens_after[k] == pytest.approx(k + 1)
+    assert report.c == pytest.approx(0.05) and list(report.verify_cost.values()) == pytest.approx([1.0] * (k + 1))
+    assert report.k_after == k and report.speedup_after == pytest.approx((k + 1) / (k * 0.05 + 1.0))
+
+
 def test_zero_steps_leave_the_drafter_as_it_started(teacher, run, tmp_path):
     """The negative control: the same start and data, no steps: the agreement stays where it started."""
     report, out = run
