@@ -65,6 +65,9 @@ SUPPLIED = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "p
 # are the positions); the value of a new token is what the model's own step gives it (``from_generate``).
 PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids"})
 EMBEDS = "inputs_embeds"
+# model types whose forward builds the per-layer-type masks (full, sliding) from the one mask it is given and hands
+# a 4-D one to every layer as it is: they take one 4-D mask, never a mapping of them (``cache.KVStore``)
+ONE_MASK_MODELS = frozenset({"paligemma"})
 # inputs generate() builds from the caller's own before a custom_generate callable sees them: named in a refusal
 # by what the caller passed
 MADE_BY_GENERATE = MappingProxyType({

@@ -308,13 +308,37 @@ def _model_inputs(model, input_ids, model_kwargs: dict) -> ModelInputs:
 def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None) -> ModelInputs:
     """What the draft model's forwards get: with image / audio inputs of its own (``draft_model_inputs``), those
     and its per-token inputs as plain generate() would give them to it (its own positions: multimodal RoPE);
-    otherwise the target's per-token inputs its forward takes."""
-    if not given:
+    otherwise the target's per-token inputs its forward takes. The draft reads its prompts without their masked
+    columns, left-padded (``DraftModelDrafter``): where that is not the caller's layout (a mask with holes, or
+    with masked columns after a row's first attended one), the images' placeholder tokens would no longer match
+    them, so the draft reads the prompts as text (its guesses only; the target verifies every token)."""
+    if not given or not _draft_reads_caller_layout(inputs):
         return inputs.model_inputs.for_draft(draft_model)
     kwargs = {**given, "attention_mask": inputs.attention_mask}
     if kv.accepts_position_ids(draft_model):
         kwargs["position_ids"] = draft_model._prepare_position_ids_for_generation(inputs.input_ids, dict(kwargs))
     return ModelInputs.from_generate(draft_model, inputs.input_ids, kwargs)
+
+
+def _draft_reads_caller_layout(inputs: DecodeInputs) -> bool:
+    """Does the draft's left-padded batch of unmasked prompt tokens equal the caller's ``input_ids``, column for
+    column: no mask, or one that only left-pads rows of which at least one is whole (no cache passed in)?
+
+    >>> from types import SimpleNamespace as Inputs
+    >>> ids = torch.zeros(2, 3, dtype=torch.long)
+    >>> [_draft_reads_caller_layout(Inputs(input_ids=ids, attention_mask=torch.tensor(mask)))
+    ...  for mask in ([[0, 1, 1], [1, 1, 1]], [[1, 0, 0], [1, 1, 1]], [[0, 1, 1], [0, 1, 1]])]
+    [True, False, False]
+    """
+    mask = inputs.attention_mask
+    if mask is None:
+        return True
+    if mask.shape != inputs.input_ids.shape:
+        return False
+    mask = mask.bool().cpu()
+    lengths = mask.sum(-1)
+    padded = torch.arange(mask.shape[1])[None] >= (mask.shape[1] - lengths)[:, None]
+    return bool(torch.equal(mask, padded)) and int(lengths.max()) == mask.shape[1]
 
 
 def _draft_model_inputs(draft_model, kwargs: dict) -> dict | None:

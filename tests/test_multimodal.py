@@ -113,6 +113,19 @@ def test_llava_with_a_text_only_draft(llava, batch):
     _check(llava, ids, kwargs, dict(assistant_model=draft, spec_config=FIXED), "speculative")
 
 
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_llava_with_a_mask_over_an_image_token_equals_plain_generate(llava, mode):
+    """A mask that hides one of the image tokens (transformers' testers' ``tril`` masks hide all but the first
+    column): plain reads every id, the image's placeholders included. A draft model reads only the unmasked ids,
+    which no longer hold every placeholder of the image, so it reads them as text; the target still reads the
+    image where plain does."""
+    ids, kwargs = llava_inputs(1)
+    kwargs["attention_mask"] = torch.tensor([[1, 0, 1, 1] + [1] * 6])
+    routed = (dict(assistant_model=perturbed_copy(llava, 0.1, relative=True), spec_config=FIXED)
+              if mode == "speculative" else modes(llava)[mode])
+    _check(llava, ids, kwargs, routed, mode)
+
+
 # -- Qwen2-VL: multimodal RoPE --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen2_vl():
@@ -231,3 +244,35 @@ def test_qwen2_audio_equals_plain_generate_and_its_draft_hears_the_audio(qwen2_a
     assert not torch.equal(deaf, type(qwen2_audio).generate(qwen2_audio, ids, max_new_tokens=NEW, do_sample=False,
                                                             pad_token_id=PAD, **kwargs))  # the model hears it
 
+
+
+# -- PaliGemma 2: one mask for full and sliding-window layers --------------------------------------------------------
+@pytest.fixture(scope="module")
+def paligemma2():
+    """transformers' PaliGemma2 tester's config (a Gemma 2 with full and sliding-window layers, a SigLIP tower of
+    20x20 images in 5x5 patches: 16 image tokens): its forward builds both layer kinds' masks from the one mask it
+    is given, and hands a 4-D one to every layer as it is."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = PaliGemmaConfig(
+        text_config=dict(model_type="gemma2", vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=8, intermediate_size=37,
+                         hidden_activation="gelu_pytorch_tanh", max_position_embeddings=512, pad_token_id=1),
+        vision_config=dict(image_size=20, patch_size=5, num_channels=3, hidden_size=32, projection_dim=32,
+                           num_hidden_layers=2, num_attention_heads=4, intermediate_size=37),
+        image_token_index=0, projection_dim=32)
+    return _plain_config(PaliGemmaForConditionalGeneration(config).eval())
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_paligemma2_equals_plain_generate(paligemma2, mode):
+    """Lookahead's trie masks reach the model as one 4-D mask (not one per layer type, which its forward does not
+    take), exact while the sliding window covers every column."""
+    assert paligemma2.config.text_config.layer_types == ["sliding_attention", "full_attention"]
+    ids = torch.tensor([[0] * 16 + [2, 5, 7, 9, 5, 7, 9, 5, 7]])
+    kwargs = dict(pixel_values=torch.randn(1, 3, 20, 20, generator=torch.Generator().manual_seed(0)),
+                  token_type_ids=torch.zeros_like(ids))
+    routed = (dict(assistant_model=perturbed_copy(paligemma2, 0.1, relative=True), spec_config=FIXED)
+              if mode == "speculative" else modes(paligemma2)[mode])
+    _check(paligemma2, ids, kwargs, routed, mode)
