@@ -29,6 +29,8 @@ leaves it as plain ``generate`` leaves it (``finish``). Operations:
 ``select_rows(rows)``          drop the rows that finished;
 ``lend(model)``                a store for an early-exit view of the model (its first layers) starting from this
                                store's kept keys and values in those layers, without copying them;
+``feed(new_tokens, pad)``      run over each row that stopped early the forward plain ``generate`` runs after its
+                               stop (its last token, then padding), for what plain returns of those steps;
 ``finish(new_tokens, pad)``    the cache as plain ``generate`` leaves it: the prompt and every emitted token but the
                                last, in plain's columns (a row that stopped early padded as plain pads it).
 
@@ -56,7 +58,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
+from .inputs import NO_INPUTS, NO_KWARGS, ModelInputs
 from .layout import BatchInputs, to_model_mask
 
 
@@ -274,6 +276,16 @@ class _Parked:
         return _Parked(states, count, self.next_position - cut, self.inputs)
 
 
+@dataclass(frozen=True)
+class Fed:
+    """What ``KVStore.feed`` gives for a row that stopped early: the forward over its last token and the padding
+    plain ``generate`` fed it after (``result``: logits at every input, hidden states and attentions as recorded;
+    attentions over the row's ``count`` tokens before the forward, then the forward's inputs)."""
+
+    result: ForwardResult
+    count: int
+
+
 class KVStore:
     """The cache of B rows that advance at their own pace, addressed by slots (see the module docstring).
 
@@ -304,10 +316,11 @@ class KVStore:
     inputs: ModelInputs = NO_INPUTS  # the call's other model inputs, from ``prefill`` on (``inputs.py``)
 
     def __init__(self, model, attention: str = "sdpa", head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 cache: DynamicCache | None = None, returns_cache: bool = False):
+                 cache: DynamicCache | None = None, returns_cache: bool = False, keeps_rows: bool = False):
         self.model, self.attention = model, attention
         self.head = head  # optional: hidden [B, n, H] -> logits, a narrowed output layer
         self.returns_cache = returns_cache  # ``finish`` will leave the cache as plain generate() leaves it
+        self.keeps_rows = keeps_rows or returns_cache  # rows that leave are kept aside, for ``feed`` and ``finish``
         self.cache = new_cache(model) if cache is None else cache  # a cache passed in holds the prompt's start
         check_cache_supported(self.cache)
         self._recording = [(layer, layer.record_past) for layer in self.cache.layers if hasattr(layer, "record_past")]
@@ -323,7 +336,8 @@ class KVStore:
         self._prompt_width = 0  # the prompt's columns, cached ones included: the layout of plain generate's cache
         self._prompt_valid: torch.Tensor | None = None  # [B0, prompt width] the prompt's mask, None if all ones
         self._row_ids = torch.zeros(0, dtype=torch.long)  # the original row of each row still in the store
-        self._parked: dict[int, _Parked] = {}  # rows that left, kept for ``finish`` (only when returns_cache)
+        self._parked: dict[int, _Parked] = {}  # rows that left, kept for ``feed`` and ``finish`` (keeps_rows)
+        self._fed: dict[int, _Parked] = {}  # rows that stopped early after ``feed``: their padding read
         self._positions = torch.zeros(0, 0, dtype=torch.long)
         self._sees = torch.zeros(0, 0, 0, dtype=torch.bool)
         self.gathers = 0  # how many times columns were gathered (``compact``, or ``keep`` where holes cannot stay)
@@ -397,7 +411,7 @@ class KVStore:
         self._offset = (positions[:, -1] + 1 - self.lengths) if length else -self.lengths
         self._prompt_width = cached + length
         self._column_shift = self._prompt_width - self.lengths
-        self._prompt_valid, self._row_ids, self._parked = valid, torch.arange(rows), {}
+        self._prompt_valid, self._row_ids, self._parked, self._fed = valid, torch.arange(rows), {}, {}
         self._reset_written()
         if length == 0:
             return ForwardResult(torch.zeros(rows, 0, 0))
@@ -486,7 +500,18 @@ class KVStore:
         weight 0 (the row's left padding, which plain's mask gives weight 0), then the row's tokens up to it. A
         sliding-window layer keeps, as plain's returns them, the last ``sliding_window`` of those columns (its
         window: padding counts); a column the layer did not hand its attention has weight 0 (outside it)."""
-        columns = self.columns(row, path)
+        return self._attention_rows(attentions, row, query, self.columns(row, path), padding, total)
+
+    def fed_attention_rows(self, fed: Fed, query: int, padding: int) -> tuple[torch.Tensor, ...]:
+        """``attention_rows`` of the input ``query`` of a ``feed`` forward: ``padding`` columns at weight 0, the
+        row's tokens, the forward's inputs up to this one (plain's columns at that step)."""
+        total = fed.count + fed.result.logits.shape[1]
+        return self._attention_rows(fed.result.attentions, 0, query, torch.arange(fed.count + query + 1), padding,
+                                    total)
+
+    def _attention_rows(self, attentions: Sequence[torch.Tensor], row: int, query: int, columns: torch.LongTensor,
+                        padding: int, total: int) -> tuple[torch.Tensor, ...]:
+        """``attention_rows`` over the given ``columns`` (of ``total``) that the query attends to."""
         rows = []
         for layer, weights in zip(self.cache.layers, attentions):
             offset = total - weights.shape[-1]  # the columns before it are not among the layer's keys
@@ -515,35 +540,21 @@ class KVStore:
     def _layer_masks(self, full: torch.Tensor, positions: torch.Tensor, n: int):
         """The 4-D mask each kind of layer takes: the full one, and for sliding-window layers the columns they
         return (their window) with the window applied by position. A model with ``config.layer_types`` gets
-        them by layer type; one without gets its only kind. A model that builds the masks of its layer types
-        itself from the one mask it is given (``ONE_MASK_MODELS``) gets the full one, which its sliding layers read
-        as it is: exact while their window covers every column (refused past it).
+        them by layer type; one without gets its only kind.
 
         full: [B, n, past + n] bool; positions: [B, n] of the inputs.
         """
         sliding = {type(layer).__name__: layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)}
-        # the attention of the layers that read the mask: a multimodal model's text model may run another one
-        # (PaliGemma 2: sdpa at the top, eager in its Gemma 2)
-        attention = getattr(self.model.config.get_text_config(decoder=True), "_attn_implementation", None)
-        as_model = lambda mask: to_model_mask(mask[:, None].to(self.device), attention or self.attention,  # noqa: E731
-                                              self.dtype)
+        as_model = lambda mask: to_model_mask(mask[:, None].to(self.device), self.attention, self.dtype)  # noqa: E731
         if not sliding:
             return as_model(full)
         past = full.shape[2] - n
         key_columns, query_columns = self._window_columns(positions)  # [B, past + n], [B, n]
-        masks, windowless = {}, True
+        masks = {}
         for layer in sliding.values():
             visible = layer.get_mask_sizes(n)[0] - n  # cached columns the layer hands its attention
             in_window = key_columns[:, None, past - visible:] > query_columns[:, :, None] - layer.sliding_window
-            windowless = windowless and visible == past and bool((in_window | ~full).all())
             masks["sliding_attention"] = as_model(full[:, :, past - visible:] & in_window)
-        if self.model.config.model_type in ONE_MASK_MODELS:  # its sliding layers read the one mask it is given
-            if not windowless:
-                raise ValueError(
-                    f"hf_specdec cannot mask the sliding-window layers of {type(self.model).__name__} past their "
-                    "window: the model takes one attention mask for all its layers. Use plain generate() for "
-                    "sequences longer than its sliding_window.")
-            return as_model(full)
         layer_types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None)
         if not layer_types:  # every layer slides (Mistral, Phi-3): one mask
             return masks["sliding_attention"]
@@ -652,7 +663,7 @@ class KVStore:
         """Keep only these rows (in this order): the others finished (a store that hands its cache back keeps
         theirs aside for ``finish``)."""
         index = torch.tensor(rows, dtype=torch.long)
-        if self.returns_cache:
+        if self.keeps_rows:
             assert self.num_written == 0, "rows leave between rounds"
             for row in sorted(set(range(self.num_rows)) - set(rows)):
                 self._parked[int(self._row_ids[row])] = self._park(row)
@@ -710,6 +721,37 @@ class KVStore:
         if bool(self.valid.all()):
             self.valid = None
 
+    def _rows_by_id(self) -> dict[int, _Parked]:
+        """Every row, those that left and those still here, by the order ``prefill`` read them."""
+        return {**self._parked, **{int(self._row_ids[r]): self._park(r) for r in range(self.num_rows)}}
+
+    def _prompt_mask(self, rows: int) -> torch.Tensor:
+        """[B0, prompt width] the prompt's mask (all ones when it had none)."""
+        return self._prompt_valid if self._prompt_valid is not None else \
+            torch.ones(rows, self._prompt_width, dtype=torch.bool)
+
+    def feed(self, new_tokens: Sequence[Sequence[int]], pad_token_id: int, *, record: Recording = NOTHING,
+             logits_at: LogitsAt = None) -> dict[int, Fed]:
+        """For each row that emitted fewer tokens (``new_tokens[r]``, rows in the order ``prefill`` read them) than
+        the longest, the forward plain ``generate`` runs over it after its stop until the others stop: its last
+        token, then ``pad_token_id`` up to the longest row's count, at its next positions, with its model inputs,
+        over its kept tokens (one forward per such row, its own cache). ``finish`` reuses these rows. Returns, per
+        such row, the forward (logits at ``logits_at``, hidden states and attentions as ``record`` asks).
+        Between rounds, in a store that ``keeps_rows``."""
+        assert self.keeps_rows and self.num_written == 0, "feed: a store that keeps its rows, between rounds"
+        longest = max(len(tokens) for tokens in new_tokens)
+        if all(len(tokens) == longest for tokens in new_tokens):
+            return {}
+        rows, fed = self._rows_by_id(), {}
+        prompt = self._prompt_mask(len(rows))
+        for r, tokens in enumerate(new_tokens):
+            if len(tokens) < longest:  # plain fed the row its last token and then padding
+                row = rows[r].committed(int(prompt[r].sum()) + len(tokens) - 1)
+                self._fed[r], result = self._extend(row, [tokens[-1]] + [pad_token_id] * (longest - len(tokens) - 1),
+                                                    record=record, logits_at=logits_at)
+                fed[r] = Fed(result, row.count)
+        return fed
+
     def _park(self, row: int) -> _Parked:
         """Row ``row``'s kept tokens, as ``finish`` takes them."""
         columns = self._kept_valid()[row].nonzero()[:, 0]  # the row's kept tokens, in order
@@ -750,9 +792,8 @@ class KVStore:
         """``finish`` where rows left early, stopped early, or hold padding or holes: each row's kept tokens are
         cut to what it committed, extended by what plain fed it after its stop, and scattered to the columns plain
         gives them ([prompt mask, ones])."""
-        rows = {**self._parked, **{int(self._row_ids[r]): self._park(r) for r in range(self.num_rows)}}
-        prompt = self._prompt_valid if self._prompt_valid is not None else \
-            torch.ones(len(rows), self._prompt_width, dtype=torch.bool)
+        rows = self._rows_by_id()
+        prompt = self._prompt_mask(len(rows))
         width = self._prompt_width + longest - 1
         outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for layer in self.cache.layers:
@@ -763,8 +804,11 @@ class KVStore:
             outs.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
         for r in range(len(rows)):
             row = rows[r].committed(int(prompt[r].sum()) + len(new_tokens[r]) - 1)
-            if len(new_tokens[r]) < longest:  # plain fed the row its last token and then padding
-                row = self._extend(row, [new_tokens[r][-1]] + [pad_token_id] * (longest - len(new_tokens[r]) - 1))
+            if r in self._fed:  # ``feed`` read its padding already
+                row = self._fed[r]
+            elif len(new_tokens[r]) < longest:  # plain fed the row its last token and then padding
+                row = self._extend(row, [new_tokens[r][-1]] + [pad_token_id] * (longest - len(new_tokens[r]) - 1),
+                                   logits_at=1)[0]
             columns = torch.cat([prompt[r].nonzero()[:, 0], torch.arange(self._prompt_width, width)])
             for out, kv in zip(outs, row.states):
                 if out is not None and kv is not None:
@@ -776,8 +820,10 @@ class KVStore:
                 if getattr(layer, "is_sliding", False):
                     layer.cumulative_length = width
 
-    def _extend(self, row: _Parked, tokens: list[int]) -> _Parked:
-        """``row`` after a forward over ``tokens`` at its next positions (one row, its own cache)."""
+    def _extend(self, row: _Parked, tokens: list[int], *, record: Recording = NOTHING,
+                logits_at: LogitsAt = 1) -> tuple[_Parked, ForwardResult]:
+        """``row`` after a forward over ``tokens`` at its next positions (one row, its own cache), and that
+        forward's result."""
         cache = new_cache(self.model)
         for layer, kv in zip(cache.layers, row.states):
             if kv is not None:
@@ -785,9 +831,9 @@ class KVStore:
                 if getattr(layer, "is_sliding", False):
                     layer.cumulative_length = row.count
         positions = row.next_position + torch.arange(len(tokens))[None]
-        call_model(self.model, torch.tensor([tokens], device=self.device), cache,
-                   position_ids=row.inputs.positions(positions).to(self.device), head=self.head,
-                   model_inputs=row.inputs.step(len(tokens)))
+        result = call_model(self.model, torch.tensor([tokens], device=self.device), cache, logits_at=logits_at,
+                            position_ids=row.inputs.positions(positions).to(self.device), head=self.head,
+                            record=record, model_inputs=row.inputs.step(len(tokens)))
         states = tuple(None if kv is None else (layer.keys, layer.values)
                        for layer, kv in zip(cache.layers, row.states))
-        return _Parked(states, row.count + len(tokens), row.next_position + len(tokens), row.inputs)
+        return _Parked(states, row.count + len(tokens), row.next_position + len(tokens), row.inputs), result

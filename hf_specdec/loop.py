@@ -148,7 +148,8 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     steps: list[list[Step]] = [[] for _ in range(inputs.input_ids.shape[0])]  # per row, per emitted token, if asked
     start = time.perf_counter()
     emitter.prompt(inputs.input_ids)
-    cache = kv.KVStore(inputs.target, inputs.attention, cache=inputs.cache, returns_cache=inputs.return_cache)
+    cache = kv.KVStore(inputs.target, inputs.attention, cache=inputs.cache, returns_cache=inputs.return_cache,
+                       keeps_rows=inputs.returns)
     rows = _rows(inputs)
     _prefill(inputs, cache, rows, emitter, steps)
     prefill_seconds = time.perf_counter() - start
@@ -192,6 +193,12 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     stats.total_time_s = time.perf_counter() - start
     stats.cache_bytes, stats.draft_cache_bytes = cache.nbytes(), drafter.cache_bytes()
     drafter.release()
+    if inputs.returns or inputs.return_cache:  # plain fed each row that stopped early padding until the others did
+        fed = cache.feed([row.new for row in rows], inputs.pad_token_id, record=inputs.record,
+                         logits_at=None if inputs.returns else 1)
+        for r, forward in fed.items():
+            if inputs.returns:
+                steps[r].extend(_fed_steps(inputs, cache, rows[r], forward))
     if inputs.return_cache:  # as plain generate() leaves it: the prompt and every emitted token but the last
         cache.finish([row.new for row in rows], inputs.pad_token_id)
     return Decoded(_sequences(rows, inputs.pad_token_id), stats, **_stacked(inputs, steps),
@@ -342,38 +349,44 @@ def _recorded(written: kv.ForwardResult, cache: kv.KVStore, i: int, inputs: list
     return recorded
 
 
-def _stacked(inputs: DecodeInputs, steps: list[list[Step]]) -> dict:
-    """Each row's steps stacked per step, as plain ``generate`` returns them: ``Decoded``'s flag fields.
+def _fed_steps(inputs: DecodeInputs, cache: kv.KVStore, row: _Row, fed: kv.Fed) -> list[Step]:
+    """The ``Step`` plain ``generate`` returns for each step of a row after its stop, from the forward over its
+    last token and the padding plain fed it (``KVStore.feed``): at input j, the processors over the row's ids and
+    j pads, its raw logits, and its hidden states and attention row (the row's padding at weight 0, its tokens,
+    the inputs up to j)."""
+    logits = fed.result.logits[0, :, : inputs.vocab_size]  # [L, V]
+    raw = logits.clone() if inputs.output_logits else None  # before any processor
+    ids = row.padded()
+    scores = torch.cat([_process(inputs, torch.cat([ids, torch.full((1, j), inputs.pad_token_id)], dim=1),
+                                 Proposal(), logits[j: j + 1]) for j in range(logits.shape[0])])  # [L, V]
+    padding = row.prompt.shape[0] - row.unpadded.shape[0]
+    recorded = [(None if fed.result.hidden_states is None else
+                 tuple(layer[:, j: j + 1] for layer in fed.result.hidden_states),  # [1, 1, D] each
+                 None if fed.result.attentions is None else cache.fed_attention_rows(fed, j, padding))
+                for j in range(logits.shape[0])]
+    return _returned(inputs, scores, raw, list(range(logits.shape[0])), recorded)
 
-    A row that stopped before the others has no steps after its stop; plain ``generate`` goes on feeding it
-    padding and returns what those forwards give, which hf_specdec does not run: its entries there are NaN."""
+
+def _stacked(inputs: DecodeInputs, steps: list[list[Step]]) -> dict:
+    """Each row's steps stacked per step, as plain ``generate`` returns them: ``Decoded``'s flag fields (a row
+    that stopped before the others has the steps of the padding plain fed it after, ``_fed_steps``)."""
     longest = max(len(row) for row in steps)
     if not inputs.returns or not longest:
         return {}
-    if any(len(row) < longest for row in steps):
-        logger.warning("hf_specdec: a row stopped before the others; its scores, logits, hidden states and "
-                       "attentions after its stop are NaN (plain generate() computes them over padding).")
+    assert all(len(row) == longest for row in steps), "every row has a step per emitted token of the longest"
     fields = {}
     for name in ("scores", "logits", "hidden_states", "attentions"):
         if getattr(steps[0][0], name) is None:
             continue
-        per_step = []
-        for t in range(longest):
-            present = next(row[t] for row in steps if len(row) > t)
-            entries = [getattr(row[t] if len(row) > t else present, name) for row in steps]
-            missing = [len(row) <= t for row in steps]
-            per_step.append(_stack(entries, missing))
-        fields[name] = tuple(per_step)
+        fields[name] = tuple(_stack([getattr(row[t], name) for row in steps]) for t in range(longest))
     return fields
 
 
-def _stack(entries: list, missing: list[bool]):
-    """Rows' entries of one step (a tensor, or a tuple of them per layer) concatenated over rows; a missing row's
-    (a stand-in of another row's shape) as NaN."""
+def _stack(entries: list):
+    """Rows' entries of one step (a tensor, or a tuple of them per layer) concatenated over rows."""
     if isinstance(entries[0], tuple):
-        return tuple(_stack([entry[layer] for entry in entries], missing) for layer in range(len(entries[0])))
-    return torch.cat([torch.full_like(entry, float("nan")) if gone else entry
-                      for entry, gone in zip(entries, missing)])
+        return tuple(_stack([entry[layer] for entry in entries]) for layer in range(len(entries[0])))
+    return torch.cat(entries)
 
 
 def _emit(inputs, emitter, steps: list[list[Step]], row: _Row, outcome: RoundOutcome | None, returned,

@@ -298,24 +298,36 @@ def test_sliding_window_layers_return_plain_generates_columns(mode, clocked):
     assert_same_steps(out, expected)
 
 
-def test_a_row_that_stops_first_has_nan_entries_after_its_stop(eager, draft, clocked, caplog):
-    """The one difference from plain generate, said in a warning: plain feeds a row that stopped (EOS) padding
-    until the others stop and returns those forwards' entries; hf_specdec runs none, so they are NaN. Every other
-    entry, the stopped row's up to its stop included, is plain's."""
+@pytest.mark.parametrize("processors", [{}, {"bad_words_ids": [[PAD, 5]]}])
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_rows_that_stop_first_return_plain_generates_entries_after_their_stop(eager, draft, mode, processors,
+                                                                              clocked, caplog):
+    """Plain generate feeds a row that stopped (EOS) padding until the others stop and returns those forwards'
+    entries; so does hf_specdec (one forward per stopped row over its padding): every flag of every row is plain's
+    at every step, after a row's stop included (scores processed over the row's ids with the pads, attentions
+    over its padding, tokens and the pads so far), with no warning. Rows 2 and 0 stop at their 3rd and 5th token,
+    row 1 runs on; with a processor that reads the ids (5 banned after a pad), a stopped row's later scores see the
+    pads it was fed."""
     ids, mask = prompts(3)
-    call = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=63, **FLAGS)
+    call = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=[63, 23],
+                **processors, **FLAGS)
     clocked(eager, draft)
     expected = type(eager).generate(eager, ids, **call)
-    with caplog.at_level("WARNING"):
-        out = eager.generate(ids, **call, **routed("speculative", eager, draft))
-    assert torch.equal(out.sequences, expected.sequences)
-    assert_drafted("speculative", out.spec_stats)
-    stop = 3  # the third token of row 2 is the EOS
-    assert int(out.sequences[2, ids.shape[1] + stop - 1]) == 63 and len(out.scores) == NEW
-    for name in FIELDS:
-        for step, (mine, plain) in enumerate(zip(getattr(out, name), getattr(expected, name))):
-            for a, b in zip(entries(mine), entries(plain)):
-                running = slice(None) if step < stop else slice(0, 2)
-                assert torch.allclose(a[running], b[running], atol=1e-4), (name, step)
-                assert step < stop or bool(a[2].isnan().all()), (name, step)
-    assert "a row stopped before the others" in caplog.text
+    spy = ForwardFlags(eager)
+    try:
+        bare = eager.generate(ids, **{k: v for k, v in call.items() if k not in FLAGS}, **routed(mode, eager, draft))
+        forwards = len(spy.calls)
+        spy.calls.clear()
+        with caplog.at_level("WARNING"):
+            out = eager.generate(ids, **call, **routed(mode, eager, draft))
+    finally:
+        spy.handle.remove()
+    assert len(spy.calls) == forwards + 2  # one forward over each stopped row's padding, only when asked
+    assert torch.equal(out.sequences, expected.sequences) and torch.equal(bare, expected.sequences)
+    assert_drafted(mode, out.spec_stats)
+    width = ids.shape[1]
+    assert [int(out.sequences[2, width + 2]), int(out.sequences[0, width + 4])] == [63, 23]
+    assert bool((out.sequences[2, width + 3:] == PAD).all()) and bool((out.sequences[0, width + 5:] == PAD).all())
+    assert len(out.scores) == NEW and out.attentions[-1][0].shape == (3, 4, 1, width + NEW - 1)
+    assert_same_steps(out, expected)
+    assert not caplog.records
