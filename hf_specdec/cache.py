@@ -58,7 +58,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .inputs import NO_INPUTS, NO_KWARGS, ModelInputs
+from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
 from .layout import BatchInputs, to_model_mask
 
 
@@ -540,21 +540,35 @@ class KVStore:
     def _layer_masks(self, full: torch.Tensor, positions: torch.Tensor, n: int):
         """The 4-D mask each kind of layer takes: the full one, and for sliding-window layers the columns they
         return (their window) with the window applied by position. A model with ``config.layer_types`` gets
-        them by layer type; one without gets its only kind.
+        them by layer type; one without gets its only kind. A model that builds the masks of its layer types
+        itself from the one mask it is given (``ONE_MASK_MODELS``) gets the full one, which its sliding layers read
+        as it is: exact while their window covers every column (refused past it).
 
         full: [B, n, past + n] bool; positions: [B, n] of the inputs.
         """
         sliding = {type(layer).__name__: layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)}
-        as_model = lambda mask: to_model_mask(mask[:, None].to(self.device), self.attention, self.dtype)  # noqa: E731
+        # the attention of the layers that read the mask: a multimodal model's text model may run another one
+        # (PaliGemma 2: sdpa at the top, eager in its Gemma 2)
+        attention = getattr(self.model.config.get_text_config(decoder=True), "_attn_implementation", None)
+        as_model = lambda mask: to_model_mask(mask[:, None].to(self.device), attention or self.attention,  # noqa: E731
+                                              self.dtype)
         if not sliding:
             return as_model(full)
         past = full.shape[2] - n
         key_columns, query_columns = self._window_columns(positions)  # [B, past + n], [B, n]
-        masks = {}
+        masks, windowless = {}, True
         for layer in sliding.values():
             visible = layer.get_mask_sizes(n)[0] - n  # cached columns the layer hands its attention
             in_window = key_columns[:, None, past - visible:] > query_columns[:, :, None] - layer.sliding_window
+            windowless = windowless and visible == past and bool((in_window | ~full).all())
             masks["sliding_attention"] = as_model(full[:, :, past - visible:] & in_window)
+        if self.model.config.model_type in ONE_MASK_MODELS:  # its sliding layers read the one mask it is given
+            if not windowless:
+                raise ValueError(
+                    f"hf_specdec cannot mask the sliding-window layers of {type(self.model).__name__} past their "
+                    "window: the model takes one attention mask for all its layers. Use plain generate() for "
+                    "sequences longer than its sliding_window.")
+            return as_model(full)
         layer_types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None)
         if not layer_types:  # every layer slides (Mistral, Phi-3): one mask
             return masks["sliding_attention"]
