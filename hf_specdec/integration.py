@@ -39,7 +39,7 @@ from .models.packed import reordered_only_values
 from .models.seeding import call_start_lookahead, call_start_speculative
 from .policy import make_policy
 from .stats import SpecStats, stats_holder
-from .support import Unsupported, check_supported
+from .support import Unsupported, check_supported, tree_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ def lookahead_generate(
     spec_streamer=None,
     **model_kwargs,
 ):
-    """``custom_generate`` callable: lookahead decoding (Jacobi window + n-gram pool), no draft model.
+    """``custom_generate`` callable: lookahead decoding (Jacobi window + n-gram pool), no draft model. A model that
+    cannot read a trie in one forward (``support.tree_refusal``: no position ids, a mask or bias of its own) runs
+    chains only: each round verifies the best path of the candidates, with no window.
 
     ``lookahead_memory``: a ``LookaheadMemory`` to read and extend (earlier calls' text, measured costs and
     acceptance; on its first call, the target's t(n) from the cached hardware profile); None starts from nothing
@@ -139,11 +141,13 @@ def lookahead_generate(
         raise ValueError(f"lookahead_memory must be a hf_specdec.LookaheadMemory or None, got "
                          f"{type(lookahead_memory).__name__}.")
     check_supported(model, "lookahead", input_ids.shape[0])
+    trees = tree_refusal(model) is None  # else chains only, every round of the call (docs/lookahead.md)
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
     origin = call_start_lookahead(lookahead_memory, model)  # seeds a memory's first call
     memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
-    drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None))
+    drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None,
+                                              trees=trees))
     return _run(model, inputs, drafter, make_policy(config, memory.estimates), spec_streamer, generation_config,
                 "lookahead", origin)
 
@@ -160,21 +164,22 @@ def _as_config(value, cls, name):
 
 
 def _with_trees(config: SpecConfig, model, draft_model, rows: int) -> SpecConfig:
-    """``tree="auto"`` becomes "off" where the target or the draft model cannot read a tree in one forward (the
-    rules of lookahead's trie: position ids, a 4-D mask); ``tree="on"`` is refused there. A drafter of one's own
+    """``tree="auto"`` becomes "off" where the target or the draft model cannot read a tree in one forward
+    (``support.tree_refusal``: position ids, a 4-D mask); ``tree="on"`` is refused there. A drafter of one's own
     says in its offers whether it drafts trees."""
     if config.tree == TreeMode.OFF:
         return config
     models = [("target", model)] + ([] if hasattr(draft_model, "propose") else [("draft", draft_model)])
     for role, checked in models:
-        try:
-            check_supported(checked, "lookahead", rows, role=role)
-        except Unsupported as error:
-            if config.tree == TreeMode.ON:
-                raise Unsupported(f"SpecConfig(tree='on') needs a {role} model that reads a tree of guesses in one "
-                                  f"forward, and this one cannot ({error}); use tree='auto' (chains where trees "
-                                  "cannot run) or tree='off'.") from error
-            return dataclasses.replace(config, tree=TreeMode.OFF.value)
+        reason = tree_refusal(checked)
+        if reason is None:
+            continue
+        if config.tree == TreeMode.ON:
+            name = f"{type(checked).__name__} ({getattr(checked.config, 'model_type', '?')})"
+            raise Unsupported(f"SpecConfig(tree='on') needs a {role} model that reads a tree of guesses in one "
+                              f"forward, and this one cannot ({name}: {reason}); use tree='auto' (chains where "
+                              "trees cannot run) or tree='off'.")
+        return dataclasses.replace(config, tree=TreeMode.OFF.value)
     return config
 
 

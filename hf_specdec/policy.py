@@ -658,6 +658,7 @@ class Planner:
                 if len(rates.get(c.source, ())) < len(c.tokens):
                     rates[c.source] = self.acceptance(c.source).rates(len(c.tokens))
         ranked = [rank_prefixes([(c.tokens, rates[c.source]) for c in row]) for row in candidates]
+        ranked = [best_path(row) if offer.one_path else row for row, offer in zip(ranked, offers)]
         slots = [sum(row[i][1] for row in ranked if i < len(row)) for i in range(max(map(len, ranked), default=0))]
         nodes = best_count(slots, lambda n: price(1 + n) or 0.0, self._limit(price) - 1, base=float(len(offers)))
         chosen = tuple(_truncate_to_trie(row, {prefix for prefix, _ in prefixes[:nodes]})
@@ -697,10 +698,12 @@ class Planner:
         plans = []
         for budget, offer, kept in zip(budgets, offers, trie.chosen):
             if self.settings.max_candidates != "auto":
+                if offer.one_path:  # one chain: the best-ranked candidate (candidates come best first)
+                    kept = kept[:1]
                 trie_nodes = merge_candidates(kept, self.settings.max_candidates * (ngram - 1))
                 kept = _truncate_to_trie(kept, {tuple(trie_nodes.tokens[n] for n in trie_nodes.path(node))
                                                 for node in range(trie_nodes.num_tokens)})
-            shape = (window, ngram)
+            shape = (1, 2) if offer.one_path else (window, ngram)
             if offer.positions_left is not None and (ngram - 2) + (window - 1) >= offer.positions_left:
                 shape = (1, 2)  # the window would run past the position table
             plans.append(RoundPlan(max_tokens=budget, candidates=kept, window=shape, offered=bool(offer.candidates),
@@ -927,6 +930,21 @@ def rank_prefixes(candidates: Sequence[tuple[Sequence[int], Sequence[float]]]) -
             if gain > gains.get(prefix, -1.0):
                 gains[prefix] = gain
     return sorted(gains.items(), key=lambda item: (-item[1], len(item[0])))
+
+
+def best_path(ranked: Sequence[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
+    """The prefixes of ``rank_prefixes`` on one path, best first: from the root, each step to the best-ranked child
+    of the last kept prefix (the chain a model that reads no trie verifies; parents come before their children, so
+    one pass finds it).
+
+    >>> best_path(rank_prefixes([((7, 8, 9), (0.9, 0.5, 0.5)), ((3,), (0.6,)), ((7, 5), (0.9, 0.4))]))
+    [((7,), 0.9), ((7, 8), 0.45), ((7, 8, 9), 0.225)]
+    """
+    path: list[tuple[tuple[int, ...], float]] = []
+    for prefix, gain in ranked:
+        if prefix[:-1] == (path[-1][0] if path else ()):
+            path.append((prefix, gain))
+    return path
 
 
 def free_extra_tokens(forward_seconds: Callable[[int], float], used: int, limit: int, tolerance: float) -> int:

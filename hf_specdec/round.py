@@ -161,6 +161,7 @@ class Offer:
     trees: bool = False  # its model can draft a tree (``RoundPlan.tree``), not only a chain
     setup_tokens: int = 0  # tokens its model must read before it first drafts (the prompt; 0 once read)
     positions_left: int | None = None  # positions after the last token before the model's position table ends
+    one_path: bool = False  # the model reads no trie (``support.tree_refusal``): one path of the candidates, no window
 
 
 class ChainRule(Protocol):

@@ -3,9 +3,12 @@
 Every rule below is checked by the architecture sweep (tests/test_architectures.py: a tiny random model of every
 causal LM transformers ships, each mode against plain ``generate``), and docs/architectures.md is its table.
 
-Speculative decoding (a chain of guesses) needs a cache it can roll back: a ``DynamicCache`` whose layers hold one
-key/value column per token (full or sliding-window attention). Lookahead (a trie of guesses and a Jacobi window
-in one forward) needs, besides, explicit position ids and a 4-D attention mask the model takes as given.
+Verifying a chain of guesses (speculative decoding; lookahead's chain rounds) needs a cache it can roll back: a
+``DynamicCache`` whose layers hold one key/value column per token (full or sliding-window attention); the model's
+own causal mask and positions continue the cache. Reading a trie of guesses and a Jacobi window in one forward
+needs, besides, explicit position ids and a 4-D attention mask the model takes as given (``tree_refusal``): where a
+model lacks them, lookahead verifies one chain a round instead (docs/lookahead.md), and a draft model's tree
+rounds fall back to chains.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def cache_layer_kinds(model) -> tuple[str, ...] | None:
 
 def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> None:
     """Raise ``Unsupported`` unless hf_specdec runs ``model`` exactly in ``mode`` ("speculative" or
-    "lookahead"), for a batch of ``rows``; ``role``: "target" or "draft" (the wording of the message)."""
+    "lookahead"), for a batch of ``rows``; ``role``: "target" or "draft" (the wording of the message). Both modes
+    need what verifying a chain needs; lookahead on a model that cannot read a trie (``tree_refusal``) runs chains."""
     name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
     alternative = "plain generate()" if mode == "speculative" else "decoding='speculative' with a draft model, or plain generate()"
 
@@ -83,19 +87,29 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
     if rows > 1 and "DynamicSlidingWindowLayer" in kinds:
         refuse(f"it has sliding-window attention layers, whose window is kept per cache column, and the {rows} rows "
                "of a batch advance by different numbers of tokens (one prompt at a time works)")
-    if mode != "lookahead":
-        return
-    if "position_ids" not in params:
-        refuse("it derives positions from the cache length, so the branches of a trie cannot sit at their own "
-               "positions")
+
+
+def tree_refusal(model) -> str | None:
+    """Why ``model`` cannot read a trie of guesses (and a Jacobi window) in one forward, or None when it can: a trie
+    needs explicit position ids (its branches sit at their own positions) and a 4-D attention mask the model takes
+    as given. A model ``check_supported`` accepts verifies chains either way.
+
+    >>> from hf_specdec.models.tiny import tiny_model
+    >>> tree_refusal(tiny_model("llama", seed=0)) is None
+    True
+    """
+    if "position_ids" not in _forward_params(model):
+        return ("it derives positions from the cache length, so the branches of a trie cannot sit at their own "
+                "positions")
     if not getattr(type(model), "_supports_attention_backend", False):
-        refuse("it builds its own attention mask or bias (ALiBi, local attention, learned offsets), so a 4-D tree "
-               "mask cannot be given to it")
+        return ("it builds its own attention mask or bias (ALiBi, local attention, learned offsets), so a 4-D tree "
+                "mask cannot be given to it")
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     other = sorted(set(layer_types) - TREE_LAYER_TYPES)
     if other:
-        refuse(f"its layers of type {', '.join(other)} take masks hf_specdec does not build")
+        return f"its layers of type {', '.join(other)} take masks hf_specdec does not build"
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     if attention not in ("sdpa", "eager"):
-        refuse(f"attn_implementation={attention!r} cannot take a custom 4-D attention mask (load the model with "
-               "attn_implementation='sdpa' or 'eager')")
+        return (f"attn_implementation={attention!r} cannot take a custom 4-D attention mask (load the model with "
+                "attn_implementation='sdpa' or 'eager')")
+    return None

@@ -143,15 +143,14 @@ def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
         torch.testing.assert_close(layer.values, fresh_layer.values, atol=1e-5, rtol=1e-5)
 
 
-def test_flash_attention_is_refused_up_front():
+def test_flash_attention_reads_no_trie_and_runs_chains():
+    """flash attention takes no 4-D mask: lookahead is not refused, it verifies chains (tests/test_lookahead_chains)."""
     model = tiny_model("llama")
     model.config._attn_implementation = "flash_attention_2"  # what a model loaded with flash attention reports
-    calls = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
-    with pytest.raises(ValueError, match=r"attn_implementation='flash_attention_2' cannot take a custom 4-D "
-                                         r"attention mask \(load the model with attn_implementation='sdpa'"):
-        lookahead(model, RANDOM, LookaheadConfig())
-    assert calls == []  # refused before the first forward
+    hf_specdec.support.check_supported(model, "lookahead")  # not refused
+    assert hf_specdec.support.tree_refusal(model) == (
+        "attn_implementation='flash_attention_2' cannot take a custom 4-D attention mask (load the model with "
+        "attn_implementation='sdpa' or 'eager')")
 
 
 def test_round_size_follows_expected_rate_and_measured_cost():

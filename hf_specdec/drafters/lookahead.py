@@ -36,11 +36,15 @@ class LookaheadDrafter:
 
     Built by ``integration.lookahead_generate``, one per row. ``memory``: earlier calls' text and recycling
     table (read, and at ``release`` extended with this row's text when ``remember``); None: a private one.
+    ``trees``: the model reads a trie and a window in one forward (``support.tree_refusal``); False: chains only,
+    its offers ask for one path of the candidates a round and no window (``Offer.one_path``), so every round is a
+    chain the model's own causal mask and positions verify, sized by the same planner.
     """
 
     def __init__(self, model, config: LookaheadConfig, memory: LookaheadMemory | None = None,
-                 remember: bool | None = None) -> None:
+                 remember: bool | None = None, trees: bool = True) -> None:
         self.config = config
+        self.trees = trees
         self.max_positions = getattr(model.config, "n_positions", None) or getattr(
             model.config, "max_position_embeddings", None)
         self.pool = NgramPool(config.max_pool_per_key)
@@ -70,7 +74,8 @@ class LookaheadDrafter:
             positions_left = self.max_positions - length
             depth = min(depth, positions_left)
         committed = view.ids[-self.config.history_match:].tolist()
-        return Offer(candidates=tuple(self._candidates(committed, depth)), positions_left=positions_left)
+        return Offer(candidates=tuple(self._candidates(committed, depth)), positions_left=positions_left,
+                     one_path=not self.trees)
 
     def propose(self, view: RowView, plan: RoundPlan) -> Proposal:
         start = time.perf_counter()
