@@ -39,7 +39,8 @@ b and c are children of a). ``forward`` writes them at slots 10..13 (positions 1
 accepts a -> c, so ``keep([[10, 11, 13]])``: the row keeps 13 tokens, slot 12 becomes a hole masked from then on,
 and nothing is copied. Had it accepted a -> b (a prefix of what was written), the keep would be a crop. Holes are
 compacted away when they pass ``COMPACT_FRACTION`` of the columns, or at once in models that cannot mask them
-(sliding-window layers count columns; a model without ``position_ids`` counts positions by column).
+(sliding-window layers count columns; a model without ``position_ids`` counts positions by column). In a model
+that counts positions by column, no column is ever dropped (``columns_are_positions``): a prompt's holes stay.
 
 With one unpadded row and no holes, a chain forward passes no attention mask at all (the model's own causal
 mask), as plain decoding does. ``rollback`` (crop every layer to a length) is the low-level step the offline
@@ -374,6 +375,13 @@ class KVStore:
         return accepts_position_ids(model) and not any(getattr(layer, "is_sliding", False)
                                                        for layer in self.cache.layers)
 
+    def columns_are_positions(self) -> bool:
+        """Does the model number its inputs by cache column (it takes no position ids: the next input sits at
+        ``get_seq_length()``, as MBart's and Marian's learned positions do)? Then every column stays where plain
+        ``generate`` has it, holes and padding included: dropping one would move every later position."""
+        model = getattr(self.model, self.model.base_model_prefix) if self.head is not None else self.model
+        return not accepts_position_ids(model)
+
     def next_positions(self) -> torch.LongTensor:
         """[B] the position of each row's next token (after its kept tokens): ``lengths`` with plain generate's
         positions, shifted where a caller's ``position_ids`` start elsewhere."""
@@ -695,7 +703,7 @@ class KVStore:
     def _tidy(self) -> None:
         """After a keep or a row selection: drop kept columns no row sees at the end, compact when holes pass
         ``COMPACT_FRACTION``, and go back to ``valid = None`` when every row sees every column."""
-        if self.valid is None or self.num_written:
+        if self.valid is None or self.num_written or self.columns_are_positions():
             return
         seen = self.valid.any(dim=0)  # [width]
         if not bool(seen.all()):
@@ -711,9 +719,11 @@ class KVStore:
     def compact(self) -> None:
         """Move each row's kept columns to the end (right-aligned, as left padding is) and drop the columns no row
         sees: one gather per layer. Only between rounds (nothing written since the last keep); a model with
-        sliding-window layers holds only their window, so its layout stays as it is."""
+        sliding-window layers holds only their window, and one that counts positions by column
+        (``columns_are_positions``) needs every column where it is: their layout stays as it is."""
         assert self.num_written == 0, "compact after keep or discard"
-        if self.valid is None or any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+        if self.valid is None or self.columns_are_positions() or \
+                any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
             return
         counts = self.valid.sum(-1)
         width = int(counts.max())
@@ -814,8 +824,8 @@ class KVStore:
             if not _has_states(layer):
                 outs.append(None)
                 continue
-            shape = (len(rows), layer.keys.shape[1], width, layer.keys.shape[3])
-            outs.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
+            outs.append(tuple(states.new_zeros((len(rows), states.shape[1], width, states.shape[3]))
+                              for states in (layer.keys, layer.values)))  # keys and values: shapes of their own
         for r in range(len(rows)):
             row = rows[r].committed(int(prompt[r].sum()) + len(new_tokens[r]) - 1)
             if r in self._fed:  # ``feed`` read its padding already

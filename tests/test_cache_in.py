@@ -14,7 +14,8 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM, StaticCache
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache, MBartConfig, MBartForCausalLM,
+                          MistralConfig, MistralForCausalLM, StaticCache)
 
 import hf_specdec
 from hf_specdec.models.tiny import perturbed_copy, tiny_model
@@ -293,3 +294,61 @@ def test_sampling_from_a_cache_has_the_targets_distribution():
         torch.set_num_threads(threads)
     assert drafted > 0 and accepted > 0
     assert_fits(counts, exact)
+
+
+def _without_special_tokens(model):
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id"):
+        setattr(model.generation_config, name, None)
+    return model
+
+
+def _deepseek_v2():
+    """Transformers' tester config for DeepseekV2 (multi-head latent attention): cached keys [.., 32] and values
+    [.., 64] have head dims of their own."""
+    torch.manual_seed(0)
+    config = DeepseekV2Config(vocab_size=99, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                              num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=64,
+                              qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=512, eos_token_id=None,
+                              bos_token_id=None, pad_token_id=None)
+    return _without_special_tokens(DeepseekV2ForCausalLM(config).eval())
+
+
+def _mbart_decoder():
+    """A tiny MBartForCausalLM: it takes no position_ids; its learned positions are cache column numbers (plain
+    generate's prompt token j sits at position j, masked or not). Weights at std 0.3 so positions matter."""
+    torch.manual_seed(0)
+    config = MBartConfig(vocab_size=99, d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+                         decoder_ffn_dim=64, max_position_embeddings=100, init_std=0.3, is_decoder=True,
+                         is_encoder_decoder=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                         decoder_start_token_id=None)
+    return _without_special_tokens(MBartForCausalLM(config).eval())
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_keys_and_values_of_different_head_dims(name):
+    """A batch with holes on DeepseekV2, whose cached values are wider than its keys: the cache handed back is
+    plain's, keys and values each in their own shape."""
+    model = _deepseek_v2()
+    draft = perturbed_copy(model, 0.05, relative=True)
+    hf_specdec.enable(model)
+    plain, ours = generate_both(model, BATCH, name, draft, mask=HOLES)
+    layer = plain.cache.layers[0]
+    assert layer.keys.shape[-1] != layer.values.shape[-1]
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, HOLES, NEW)
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_holes_keep_their_columns_where_positions_count_columns(name):
+    """MBartForCausalLM numbers its inputs by cache column: a prompt mostly holes keeps every column where plain
+    has it (none compacted away), so each new token sits at plain's position."""
+    model = _mbart_decoder()
+    draft = perturbed_copy(model, 0.05, relative=True)
+    hf_specdec.enable(model)
+    mask = torch.tensor([[1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0, 1]])
+    plain, ours = generate_both(model, PROMPT, name, draft, mask=mask)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert_same_cache(ours.cache, plain.cache, mask, NEW)
+    unmasked = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+    assert not torch.equal(unmasked, plain.sequences)  # the holes matter
