@@ -40,6 +40,13 @@ def _forward_params(model) -> frozenset[str]:
     return frozenset(inspect.signature(type(model).forward).parameters)
 
 
+def _embeds_positions(model) -> bool:
+    """Does the model add a position embedding of its own (transformers names it ``embed_positions``: MBart,
+    Marian, TrOCR decoders), which, without position ids, it indexes by cache column? (An ALiBi model such as
+    bloom takes no position ids either, but derives its bias from the attention mask.)"""
+    return any(name.rsplit(".", 1)[-1] == "embed_positions" for name, _ in model.named_modules())
+
+
 def cache_layer_kinds(model) -> tuple[str, ...] | None:
     """The layer classes of the ``DynamicCache`` ``generate`` would make for this model (empty: made lazily);
     None when one cannot be made from its config (the model builds its cache its own way)."""
@@ -84,6 +91,10 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
                   if recurrent else f"its cache layers ({', '.join(sorted(kinds - ROLLBACK_LAYERS))}) cannot be "
                   "rolled back exactly")
         refuse(reason)
+    if rows > 1 and "position_ids" not in params and _embeds_positions(model):
+        refuse(f"it takes no position ids, so a token's position is its cache column (as in plain generate), and the "
+               f"{rows} rows of a batch advance by different numbers of tokens per round, which would put a row's "
+               "later tokens at other columns than plain's (one prompt at a time works)")
     if rows > 1 and "DynamicSlidingWindowLayer" in kinds:
         refuse(f"it has sliding-window attention layers, whose window is kept per cache column, and the {rows} rows "
                "of a batch advance by different numbers of tokens (one prompt at a time works)")

@@ -326,6 +326,25 @@ def _mbart_decoder():
 
 
 @pytest.mark.parametrize("name", ["speculative", "lookahead"])
+def test_a_batch_of_a_model_that_counts_positions_by_column_is_refused_before_any_forward(name):
+    """MBartForCausalLM takes no position_ids: a batch's rows, advancing at their own pace, would write later tokens
+    at other columns (other positions) than plain's, so a batch is refused up front; one prompt runs."""
+    model = _mbart_decoder()
+    draft = perturbed_copy(model, 0.05, relative=True)
+    hf_specdec.enable(model)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"it takes no position ids, so a token's position is its cache column "
+                                             r"\(as in plain generate\), and the 2 rows of a batch advance"):
+            model.generate(PROMPT.repeat(2, 1), max_new_tokens=NEW, do_sample=False,
+                           **({"assistant_model": draft} if name == "speculative" else {"decoding": "lookahead"}))
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", ["speculative", "lookahead"])
 def test_keys_and_values_of_different_head_dims(name):
     """A batch with holes on DeepseekV2, whose cached values are wider than its keys: the cache handed back is
     plain's, keys and values each in their own shape."""
