@@ -107,10 +107,15 @@ def test_llava_equals_plain_generate(llava, mode, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_llava_with_a_text_only_draft(llava, batch):
-    ids, kwargs = llava_inputs(batch)
-    draft = _text_draft(llava, LlamaConfig, LlamaForCausalLM)
-    _check(llava, ids, kwargs, dict(assistant_model=draft, spec_config=FIXED), "speculative")
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_a_text_only_draft(name, batch, request):
+    """A text-only draft of the same family sees the image placeholders as text; the target reads the images."""
+    target = request.getfixturevalue(name)
+    inputs, config, model_class = ((llava_inputs, LlamaConfig, LlamaForCausalLM) if name == "llava" else
+                                   (qwen2_vl_inputs, Qwen2Config, Qwen2ForCausalLM))
+    ids, kwargs = inputs(batch)
+    draft = _text_draft(target, config, model_class)
+    _check(target, ids, kwargs, dict(assistant_model=draft, spec_config=FIXED), "speculative")
 
 
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
@@ -200,13 +205,6 @@ def test_qwen2_vl_rows_that_stop_take_their_positions_along(qwen2_vl, mode):
     assert out[0, width + 1] == STOP and bool((out[0, width + 2:] == PAD).all()) and STOP not in out[1, width:]
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_qwen2_vl_with_a_text_only_draft(qwen2_vl, batch):
-    ids, kwargs = qwen2_vl_inputs(batch)
-    draft = _text_draft(qwen2_vl, Qwen2Config, Qwen2ForCausalLM)
-    _check(qwen2_vl, ids, kwargs, dict(assistant_model=draft, spec_config=FIXED), "speculative")
-
-
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
 def test_a_multimodal_draft_reads_the_images_at_their_positions(name, request):
     """A draft with the target's own weights reads the images and their positions as the target does: the target
@@ -243,7 +241,6 @@ def test_qwen2_audio_equals_plain_generate_and_its_draft_hears_the_audio(qwen2_a
     assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
     assert not torch.equal(deaf, type(qwen2_audio).generate(qwen2_audio, ids, max_new_tokens=NEW, do_sample=False,
                                                             pad_token_id=PAD, **kwargs))  # the model hears it
-
 
 
 # -- PaliGemma 2: one mask for full and sliding-window layers --------------------------------------------------------

@@ -127,6 +127,18 @@ def test_every_flag_equals_plain_generate_per_step(eager, draft, unsure_draft, m
     assert_same_steps(out, expected)
 
 
+def one_prompt_both_ways(model, draft, mode):
+    """One greedy call asking every flag, through hf_specdec and plain: (prompt, hf_specdec's output, plain's),
+    the sequences checked equal and the call checked to draft."""
+    ids, _ = prompts(1)
+    call = dict(max_new_tokens=NEW, do_sample=False, **FLAGS)
+    expected = type(model).generate(model, ids, **call)
+    out = model.generate(ids, **call, **routed(mode, model, draft))
+    assert torch.equal(out.sequences, expected.sequences)
+    assert_drafted(mode, out.spec_stats)
+    return ids, out, expected
+
+
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
 def test_sdpa_returns_no_attentions_as_plain_generate(mode, draft, clocked):
     """With the kernel as loaded (sdpa), plain generate returns an empty tuple per step for attentions (and
@@ -134,12 +146,7 @@ def test_sdpa_returns_no_attentions_as_plain_generate(mode, draft, clocked):
     model = hf_specdec.enable(tiny_model("llama", seed=0))
     assert model.config._attn_implementation == "sdpa"
     clocked(model, draft)
-    ids, _ = prompts(1)
-    call = dict(max_new_tokens=NEW, do_sample=False, **FLAGS)
-    expected = type(model).generate(model, ids, **call)
-    out = model.generate(ids, **call, **routed(mode, model, draft))
-    assert torch.equal(out.sequences, expected.sequences)
-    assert_drafted(mode, out.spec_stats)
+    ids, out, expected = one_prompt_both_ways(model, draft, mode)
     assert out.attentions == expected.attentions == ((),) * NEW
     assert_same_steps(out, expected, ("scores", "hidden_states"))
 
@@ -288,12 +295,7 @@ def test_sliding_window_layers_return_plain_generates_columns(mode, clocked):
     hf_specdec.enable(model)
     draft = copy.deepcopy(model)  # the same weights: its guesses are kept
     clocked(model, draft)
-    ids, _ = prompts(1)
-    call = dict(max_new_tokens=NEW, do_sample=False, **FLAGS)
-    expected = type(model).generate(model, ids, **call)
-    out = model.generate(ids, **call, **routed(mode, model, draft))
-    assert torch.equal(out.sequences, expected.sequences)
-    assert_drafted(mode, out.spec_stats)
+    ids, out, expected = one_prompt_both_ways(model, draft, mode)
     assert [a.shape[-1] for a in out.attentions[5]] == [ids.shape[1] + 5, 4]
     assert_same_steps(out, expected)
 
