@@ -117,9 +117,14 @@ def test_scripted_partial_acceptance(target, prompt, right, policy):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_parity_across_architectures(arch, prompt):
+def test_parity_across_architectures(arch, prompt, monkeypatch):
+    from tests.clock import VirtualClock
+
     model = tiny_model(arch, seed=4)
     draft = perturbed_copy(model, 0.005)  # close enough that each architecture's draft has tokens kept
+    clock = VirtualClock(monkeypatch)  # the adaptive policy drafts on any machine: flat 1-s target, 0.05-s draft step
+    clock.charge(monkeypatch, model, lambda n: 1.0, name="target")
+    clock.charge(monkeypatch, draft, lambda n: 0.05, name="draft")
     for policy in POLICIES:
         assert torch.equal(speculative(model, draft, prompt, policy), plain(model, prompt)), policy
         drafted, accepted = by_draft_model(model.last_spec_stats.get())
