@@ -1,9 +1,9 @@
 """The one place that touches KV caches and calls a model.
 
 Speculation writes KV for tokens that may be thrown away, so every cache it uses must be able to forget them.
-Only ``DynamicCache`` qualifies (sliding-window layers included: they record their past until cropped); static,
-quantized, offloaded-static and recurrent (linear-attention / Mamba) caches are refused up front with a clear
-message instead of failing mid-generation.
+``KVStore`` keeps the slot table (which columns each row keeps, at which positions) and asks each layer's backend
+(``backends.py``, one per kind of cache layer) to crop, gather, select rows or lend; a cache with a layer no
+backend handles is refused up front with a clear message instead of failing mid-generation.
 
 ``call_model`` is the one model-call path: new tokens appended to a cache, a ``ForwardResult`` back (float logits
 at the requested inputs, the last hidden states on request, an optional narrowed output layer).
@@ -56,9 +56,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache
 
+from .backends import backend_for, holds_states
 from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
 from .layout import BatchInputs, to_model_mask
 
@@ -72,11 +73,21 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+def split_cache(cache: Cache) -> tuple[Cache, tuple[Cache, ...]]:
+    """(the cache speculation writes to, the caches it only selects rows of): an encoder-decoder's self-attention
+    cache and its cross-attention cache (the encoder's keys and values, fixed for the call); a decoder's own."""
+    if isinstance(cache, EncoderDecoderCache):
+        return cache.self_attention_cache, (cache.cross_attention_cache,)
+    return cache, ()
+
+
 def check_cache_supported(cache: Cache | None) -> None:
     """Refuse caches that cannot roll back. ``None`` (a fresh cache will be made) is fine, and so is a
     ``DynamicCache`` that already holds the start of the prompt (a cache passed in: decoding continues from it)."""
     if cache is None:
         return
+    if isinstance(cache, EncoderDecoderCache) and all(type(part) is DynamicCache for part in split_cache(cache)[1]):
+        cache = cache.self_attention_cache
     if type(cache) is not DynamicCache:
         raise ValueError(
             f"hf_specdec decodes with a DynamicCache, which it rolls back and compacts after each round; got "
@@ -86,7 +97,7 @@ def check_cache_supported(cache: Cache | None) -> None:
             "earlier forward or call, if you continue from one) or no cache, and no "
             "cache_implementation='static'/'quantized'/'offloaded_static'; or use plain generate() with that cache."
         )
-    if cache.layers and not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
+    if cache.layers and not all(backend_for(layer) is not None for layer in cache.layers):
         raise ValueError(
             "This model's cache has layers that cannot roll back (recurrent or linear attention), so speculative "
             "decoding cannot undo rejected tokens. Use plain generate() for this model."
@@ -102,36 +113,7 @@ def rollback(cache: Cache, length: int, window: bool = True) -> None:
     crops it as plain ``generate`` leaves it only at the end (``KVStore.finish``).
     """
     for layer in cache.layers:
-        current = layer.get_seq_length()
-        if current <= length:
-            continue
-        if window or not getattr(layer, "is_sliding", False):
-            layer.crop(length - current)
-        else:
-            held = layer.keys.shape[2] - (current - length)
-            assert held >= 0, "rollback: the layer no longer holds those columns"
-            layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
-            layer.cumulative_length = length
-
-
-def _has_states(layer) -> bool:
-    return getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0
-
-
-def _gather_columns(layer, start: int, index: torch.LongTensor) -> None:
-    """In ``layer``, write the columns ``start + index[r]`` ([B, m]) of each row r at columns ``start..start+m-1``
-    (the layer's last columns are the cache's last columns: a sliding-window layer holds only its tail)."""
-    rows, m = index.shape
-    for name in ("keys", "values"):
-        states = getattr(layer, name)  # [B, H, S_layer, D]
-        begin = states.shape[2] - (layer_columns(layer) - start)
-        gather = (begin + index).to(states.device)[:, None, :, None].expand(rows, states.shape[1], m, states.shape[3])
-        states[:, :, begin: begin + m, :] = states.gather(2, gather)  # [B, H, m, D]
-
-
-def layer_columns(layer) -> int:
-    """Columns the cache has in this layer (a sliding-window layer counts the ones it no longer holds)."""
-    return layer.get_seq_length()
+        backend_for(layer).crop(layer, length, window)
 
 
 @functools.cache
@@ -324,7 +306,11 @@ class KVStore:
         self.keeps_rows = keeps_rows or returns_cache  # rows that leave are kept aside, for ``feed`` and ``finish``
         self.cache = new_cache(model) if cache is None else cache  # a cache passed in holds the prompt's start
         check_cache_supported(self.cache)
-        self._recording = [(layer, layer.record_past) for layer in self.cache.layers if hasattr(layer, "record_past")]
+        # the cache speculated on (an encoder-decoder's self-attention cache), and caches only rows leave from (its
+        # cross-attention cache: the encoder's keys, fixed for the call)
+        self.speculated, self.fixed = split_cache(self.cache)
+        self.layers = self.speculated.layers
+        self._recording = [(layer, layer.record_past) for layer in self.layers if hasattr(layer, "record_past")]
         for layer, _ in self._recording:
             layer.activate_past_recording()
         self.valid: torch.Tensor | None = None
@@ -362,7 +348,7 @@ class KVStore:
     def nbytes(self) -> int:
         """Bytes the cached keys and values take now (every layer, every row, padding columns included)."""
         total = 0
-        for layer in getattr(self.cache, "layers", ()):
+        for layer in (*self.layers, *(layer for fixed in self.fixed for layer in fixed.layers)):
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(tensor, torch.Tensor):
                     total += tensor.numel() * tensor.element_size()
@@ -372,8 +358,7 @@ class KVStore:
         """Can columns no row attends to stay in the cache? Not with sliding-window layers (they keep a count of
         columns) nor in a model that takes no position ids (it counts positions by column)."""
         model = getattr(self.model, self.model.base_model_prefix) if self.head is not None else self.model
-        return accepts_position_ids(model) and not any(getattr(layer, "is_sliding", False)
-                                                       for layer in self.cache.layers)
+        return accepts_position_ids(model) and all(backend_for(layer).holds_holes for layer in self.layers)
 
     def columns_are_positions(self) -> bool:
         """Does the model number its inputs by cache column (it takes no position ids: the next input sits at
@@ -521,7 +506,7 @@ class KVStore:
                         padding: int, total: int) -> tuple[torch.Tensor, ...]:
         """``attention_rows`` over the given ``columns`` (of ``total``) that the query attends to."""
         rows = []
-        for layer, weights in zip(self.cache.layers, attentions):
+        for layer, weights in zip(self.layers, attentions):
             offset = total - weights.shape[-1]  # the columns before it are not among the layer's keys
             inside = columns >= offset
             picked = weights[row: row + 1, :, query: query + 1]  # [1, heads, 1, K_layer]
@@ -554,7 +539,7 @@ class KVStore:
 
         full: [B, n, past + n] bool; positions: [B, n] of the inputs.
         """
-        sliding = {type(layer).__name__: layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)}
+        sliding = {type(layer).__name__: layer for layer in self.layers if getattr(layer, "is_sliding", False)}
         # the attention of the layers that read the mask: a multimodal model's text model may run another one
         # (PaliGemma 2: sdpa at the top, eager in its Gemma 2)
         attention = getattr(self.model.config.get_text_config(decoder=True), "_attn_implementation", None)
@@ -608,14 +593,15 @@ class KVStore:
         if prefix or not self.holes_maskable():
             if not prefix:  # gather each row's path to the start of the written block
                 gather = torch.where(taken, index, index[:, :1])[:, :m]  # [B, m]
-                for layer in self.cache.layers:
-                    if _has_states(layer):
-                        _gather_columns(layer, self.width, gather)
+                for layer in self.layers:
+                    if holds_states(layer):
+                        backend_for(layer).gather(layer, self.width, gather)
                 self.gathers += 1
             self._rollback(self.width + m)
-            for layer in self.cache.layers:  # a sliding-window layer restricts itself to its window
-                if getattr(layer, "is_sliding", False) and _has_states(layer) and not self.returns_cache:
-                    layer.crop(0)
+            if not self.returns_cache:  # hold only what the next forward needs (a sliding window's tail)
+                for layer in self.layers:
+                    if holds_states(layer):
+                        backend_for(layer).settle(layer)
             new_columns = taken[:, :m]  # [B, m]
         else:  # holes stay, masked; the columns after the last kept one go
             new_columns = torch.zeros(self.num_rows, w, dtype=torch.bool)  # [B, w]
@@ -639,12 +625,12 @@ class KVStore:
     def _rollback(self, length: int) -> None:
         """``rollback`` to ``length`` columns; a store that hands its cache back keeps its sliding-window layers'
         recorded columns until ``finish``."""
-        rollback(self.cache, length, window=not self.returns_cache)
+        rollback(self.speculated, length, window=not self.returns_cache)
 
     def can_lend(self) -> bool:
         """Can ``lend`` start another store from this one's tensors? Only full-attention layers (``DynamicLayer``:
         a forward concatenates new columns into a new tensor); a sliding-window layer keeps a state of its own."""
-        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+        return all(backend_for(layer).lendable for layer in self.layers)
 
     def lend(self, model, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "KVStore":
         """A store for ``model``, whose decoder layers are this store's model's first layers (an early-exit draft,
@@ -660,20 +646,19 @@ class KVStore:
         >>> target = tiny_model("llama", num_hidden_layers=4)
         >>> store = KVStore(target); _ = store.prefill(torch.tensor([[5, 6, 7]]), None)
         >>> lent = store.lend(early_exit_model(target, 2))
-        >>> len(lent.cache.layers), lent.lengths.tolist(), lent.cache.layers[1].keys is store.cache.layers[1].keys
+        >>> len(lent.cache.layers), lent.lengths.tolist(), lent.cache.layers[1].keys is store.layers[1].keys
         (2, [3], True)
         >>> _ = lent.forward(BatchInputs(torch.tensor([[8]]), torch.tensor([[0]]), None, None))
-        >>> lent.cache.layers[0].keys.shape[2], store.cache.layers[0].keys.shape[2]  # the lender is untouched
+        >>> lent.cache.layers[0].keys.shape[2], store.layers[0].keys.shape[2]  # the lender is untouched
         (4, 3)
         """
         assert self.num_written == 0, "lend between rounds: nothing written since the last keep"
         assert self.can_lend(), "only full-attention layers can be lent"
         store = KVStore(model, self.attention, head=head)
-        assert len(store.cache.layers) <= len(self.cache.layers), "the borrower runs the lender's first layers"
-        for mine, theirs in zip(store.cache.layers, self.cache.layers):
-            if _has_states(theirs):
-                mine.lazy_initialization(theirs.keys, theirs.values)
-                mine.keys, mine.values = theirs.keys, theirs.values
+        assert len(store.layers) <= len(self.layers), "the borrower runs the lender's first layers"
+        for mine, theirs in zip(store.layers, self.layers):
+            if holds_states(theirs):
+                backend_for(theirs).lend(mine, theirs)
         store.valid = None if self.valid is None else self.valid.clone()
         store.lengths, store.width = self.lengths.clone(), self.width
         store._offset, store._column_shift, store._prompt_width = self._offset, self._column_shift, self._prompt_width
@@ -689,9 +674,11 @@ class KVStore:
             assert self.num_written == 0, "rows leave between rounds"
             for row in sorted(set(range(self.num_rows)) - set(rows)):
                 self._parked[int(self._row_ids[row])] = self._park(row)
-        for layer in self.cache.layers:
-            if _has_states(layer):
-                layer.batch_select_indices(index.to(layer.keys.device))
+        for layer in self.layers:
+            if holds_states(layer):
+                backend_for(layer).select_rows(layer, index)
+        for fixed in self.fixed:
+            fixed.batch_select_indices(index)
         self.lengths, self._offset, self._row_ids = self.lengths[index], self._offset[index], self._row_ids[index]
         self._column_shift = self._column_shift[index]
         self._positions, self._sees = self._positions[index], self._sees[index]
@@ -722,8 +709,7 @@ class KVStore:
         sliding-window layers holds only their window, and one that counts positions by column
         (``columns_are_positions``) needs every column where it is: their layout stays as it is."""
         assert self.num_written == 0, "compact after keep or discard"
-        if self.valid is None or self.columns_are_positions() or \
-                any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+        if self.valid is None or self.columns_are_positions() or not self.holes_maskable():
             return
         counts = self.valid.sum(-1)
         width = int(counts.max())
@@ -731,14 +717,9 @@ class KVStore:
         for row in range(self.num_rows):
             columns = self.valid[row].nonzero()[:, 0]
             index[row, width - columns.shape[0]:] = columns
-        for layer in self.cache.layers:
-            if not _has_states(layer):
-                continue
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
-                gather = index.to(states.device)[:, None, :, None].expand(
-                    self.num_rows, states.shape[1], width, states.shape[3])
-                setattr(layer, name, states.gather(2, gather))
+        for layer in self.layers:
+            if holds_states(layer):
+                backend_for(layer).compact(layer, index)
         self.valid = torch.arange(width)[None, :] >= (width - counts)[:, None]
         self.width = width
         self.gathers += 1
@@ -780,13 +761,8 @@ class KVStore:
         """Row ``row``'s kept tokens, as ``finish`` takes them."""
         columns = self._kept_valid()[row].nonzero()[:, 0]  # the row's kept tokens, in order
         states = []
-        for layer in self.cache.layers:
-            if not _has_states(layer):
-                states.append(None)
-                continue
-            start = layer_columns(layer) - layer.keys.shape[2]  # a sliding-window layer may hold only its tail
-            held = (columns[columns >= start] - start).to(layer.keys.device)
-            states.append((layer.keys[row: row + 1, :, held], layer.values[row: row + 1, :, held]))
+        for layer in self.layers:
+            states.append(backend_for(layer).row_states(layer, row, columns) if holds_states(layer) else None)
         return _Parked(tuple(states), int(columns.shape[0]), int(self.next_positions()[row]),
                        self.inputs.select_rows(torch.tensor([row])))
 
@@ -807,7 +783,7 @@ class KVStore:
         else:
             self._assemble(new_tokens, pad_token_id, longest)
         for layer, recording in self._recording:
-            if getattr(layer, "is_sliding", False) and _has_states(layer):
+            if getattr(layer, "is_sliding", False) and holds_states(layer):
                 layer.keys, layer.values = layer.keys[:, :, 1 - layer.sliding_window:], \
                     layer.values[:, :, 1 - layer.sliding_window:]
             layer.record_past = recording
@@ -820,8 +796,8 @@ class KVStore:
         prompt = self._prompt_mask(len(rows))
         width = self._prompt_width + longest - 1
         outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for layer in self.cache.layers:
-            if not _has_states(layer):
+        for layer in self.layers:
+            if not holds_states(layer):
                 outs.append(None)
                 continue
             outs.append(tuple(states.new_zeros((len(rows), states.shape[1], width, states.shape[3]))
@@ -838,7 +814,7 @@ class KVStore:
                 if out is not None and kv is not None:
                     held = columns[columns.shape[0] - kv[0].shape[2]:].to(out[0].device)
                     out[0][r, :, held], out[1][r, :, held] = kv[0][0], kv[1][0]
-        for layer, out in zip(self.cache.layers, outs):
+        for layer, out in zip(self.layers, outs):
             if out is not None:
                 layer.keys, layer.values = out
                 if getattr(layer, "is_sliding", False):

@@ -17,7 +17,8 @@ import inspect
 
 from transformers import DynamicCache, GenerationMixin
 
-ROLLBACK_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
+from .backends import backend_named
+
 TREE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # Architectures whose multi-token forwards over a cache do not match their own one-token decoding (found by the
 # sweep; the reason is what the sweep showed). Plain generate() runs them as before.
@@ -85,19 +86,20 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         refuse("its cache is not one generate() builds from its config (a model-specific layout), so hf_specdec "
                "cannot make one it can roll back")
     kinds = set(layer_kinds)
-    if kinds - ROLLBACK_LAYERS:
-        recurrent = any("Linear" in kind or "Mamba" in kind for kind in kinds)
+    missing = sorted(kind for kind in kinds if backend_named(kind) is None)
+    if missing:
+        recurrent = any("Linear" in kind or "Mamba" in kind for kind in missing)
         reason = ("its recurrent (state-space / linear-attention) state cannot be rolled back to the accepted guess"
-                  if recurrent else f"its cache layers ({', '.join(sorted(kinds - ROLLBACK_LAYERS))}) cannot be "
-                  "rolled back exactly")
+                  if recurrent else f"its cache layers ({', '.join(missing)}) cannot be rolled back exactly")
         refuse(reason)
     if rows > 1 and "position_ids" not in params and _embeds_positions(model):
         refuse(f"it takes no position ids, so a token's position is its cache column (as in plain generate), and the "
                f"{rows} rows of a batch advance by different numbers of tokens per round, which would put a row's "
                "later tokens at other columns than plain's (one prompt at a time works)")
-    if rows > 1 and "DynamicSlidingWindowLayer" in kinds:
-        refuse(f"it has sliding-window attention layers, whose window is kept per cache column, and the {rows} rows "
-               "of a batch advance by different numbers of tokens (one prompt at a time works)")
+    apart = next((backend_named(kind).rows_apart for kind in sorted(kinds) if backend_named(kind).rows_apart), None)
+    if rows > 1 and apart:
+        refuse(f"{apart}, and the {rows} rows of a batch advance by different numbers of tokens (one prompt at a "
+               "time works)")
 
 
 def tree_refusal(model) -> str | None:
@@ -119,6 +121,10 @@ def tree_refusal(model) -> str | None:
     other = sorted(set(layer_types) - TREE_LAYER_TYPES)
     if other:
         return f"its layers of type {', '.join(other)} take masks hf_specdec does not build"
+    straight = sorted(kind for kind in set(cache_layer_kinds(model) or ())
+                      if backend_named(kind) is not None and not backend_named(kind).branches)
+    if straight:
+        return f"its cache layers ({', '.join(straight)}) keep one state per row, which cannot follow several branches"
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     if attention not in ("sdpa", "eager"):
         return (f"attn_implementation={attention!r} cannot take a custom 4-D attention mask (load the model with "
