@@ -1,0 +1,197 @@
+"""Encoder-decoder models (BART, T5, Whisper, ...) and decoders that read another model's encoder (distil-whisper's
+``WhisperForCausalLM``): the encoder runs once, every decoder forward cross-attends to its states.
+
+Plain ``generate`` runs the encoder once (``_prepare_encoder_decoder_kwargs_for_generation``) before it hands a
+``custom_generate`` callable its decoder prompt as ``input_ids`` (``decoder_input_ids``, or the decoder start
+token) and, among the model kwargs, ``encoder_outputs``, the encoder's ``attention_mask`` and the decoder's own
+``decoder_attention_mask`` / ``decoder_position_ids``. The loop then decodes the decoder exactly as it decodes a
+decoder-only model:
+
+- the decoder's self-attention cache is what the store speculates on; the cross-attention cache (the encoder
+  states' keys and values, written by the first forward) never changes, only its rows follow the batch's;
+- the loop's names for a forward's tokens, mask and positions are the decoder's (``argument``:
+  ``decoder_input_ids``, ``decoder_attention_mask``, ``decoder_position_ids``), and every forward also gets the
+  encoder states (``EncoderStates.kwargs``), which follow the rows that remain (``select_rows``);
+- a draft model reads the encoder states too: a decoder-only draft that takes ``encoder_outputs`` shares the
+  target's (``EncoderReading.SHARED``: distil-whisper, whose encoder is the target's), an encoder-decoder draft
+  runs its own encoder once on the call's encoder input (``draft_states``), and any other causal LM drafts from
+  the decoder tokens alone.
+
+Worked example (the decoder's argument names; a decoder-only model keeps the loop's):
+
+>>> from types import SimpleNamespace as Model
+>>> bart = Model(config=Model(is_encoder_decoder=True))
+>>> [argument(bart, name) for name in ("input_ids", "attention_mask", "position_ids", "cache")]
+['decoder_input_ids', 'decoder_attention_mask', 'decoder_position_ids', 'cache']
+>>> argument(Model(config=Model(is_encoder_decoder=False)), "attention_mask")
+'attention_mask'
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import inspect
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+from transformers.generation import GenerateEncoderDecoderOutput
+from transformers.modeling_outputs import BaseModelOutput
+
+# the loop's name of a forward argument -> an encoder-decoder's name for its decoder's
+DECODER_ARGUMENTS = MappingProxyType({"input_ids": "decoder_input_ids", "attention_mask": "decoder_attention_mask",
+                                      "position_ids": "decoder_position_ids"})
+# what plain generate() would pass that the loop cannot carry over several new decoder tokens
+REFUSED_DECODER_INPUTS = MappingProxyType({
+    "decoder_inputs_embeds": "a decoder prompt given as embeddings",
+    "decoder_head_mask": "a decoder head mask",
+    "cross_attn_head_mask": "a cross-attention head mask",
+})
+# output flags plain generate() returns per decoder step that the loop does not split from its verify forwards
+REFUSED_FLAGS = ("output_hidden_states", "output_attentions")
+
+
+class EncoderReading(enum.Enum):
+    """How a model's decoder forward takes the encoder states."""
+
+    OWN = "own"  # an encoder-decoder: ``encoder_outputs`` (a ``BaseModelOutput``) and the encoder ``attention_mask``
+    SHARED = "shared"  # a decoder-only model reading another's encoder (WhisperForCausalLM): ``encoder_outputs``
+
+
+def is_encoder_decoder(model) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+@functools.cache
+def _forward_params(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def reads_encoder(model) -> bool:
+    """Does ``model``'s forward take encoder states (an encoder-decoder, or a decoder such as WhisperForCausalLM)?"""
+    return isinstance(model, torch.nn.Module) and "encoder_outputs" in _forward_params(type(model))
+
+
+def argument(model, name: str) -> str:
+    """``model``'s forward argument for the loop's ``name`` (module docstring)."""
+    return DECODER_ARGUMENTS.get(name, name) if is_encoder_decoder(model) else name
+
+
+@dataclass(frozen=True)
+class EncoderStates:
+    """What every decoder forward of a call cross-attends to: the encoder's last hidden states ``hidden`` [B, S, D]
+    and its mask ``mask`` [B, S] (None: every column), rows in the batch's order, given as ``reading`` says."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    reading: EncoderReading = EncoderReading.OWN
+
+    def kwargs(self) -> dict[str, Any]:
+        """The forward arguments that carry them."""
+        if self.reading is EncoderReading.SHARED:
+            return {"encoder_outputs": self.hidden}
+        out: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=self.hidden)}
+        if self.mask is not None:
+            out["attention_mask"] = self.mask
+        return out
+
+    def select_rows(self, index: torch.Tensor) -> "EncoderStates":
+        """The same states for the batch rows ``index``, in that order."""
+        index = index.to(self.hidden.device)
+        return EncoderStates(self.hidden[index], None if self.mask is None else self.mask[index], self.reading)
+
+    def shared(self) -> "EncoderStates":
+        """As a decoder-only model reading this encoder takes them."""
+        return EncoderStates(self.hidden, self.mask, EncoderReading.SHARED)
+
+
+def check_inputs(model, model_kwargs: Mapping[str, Any]) -> None:
+    """Refuse, before any forward, what the loop cannot pass to an encoder-decoder as plain ``generate`` does."""
+    from .support import Unsupported
+
+    for name, what in REFUSED_DECODER_INPUTS.items():
+        if model_kwargs.get(name) is not None:
+            raise Unsupported(f"hf_specdec cannot pass {name} ({what}) to {type(model).__name__}'s decoder over "
+                              f"several new tokens as plain generate() passes it over one; drop {name}=, or use "
+                              "plain generate().")
+
+
+def check_flags(model, flags: Mapping[str, bool]) -> None:
+    """Refuse the output flags whose per-step entries (the decoder's hidden states and attentions, the
+    cross-attentions, the encoder's) hf_specdec does not return for an encoder-decoder yet."""
+    from .support import Unsupported
+
+    asked = [flag for flag in REFUSED_FLAGS if flags.get(flag)]
+    if asked:
+        raise Unsupported(f"hf_specdec does not return {' / '.join(asked)} of an encoder-decoder "
+                          f"({type(model).__name__}: decoder_hidden_states, decoder_attentions, cross_attentions, "
+                          "encoder_*) yet; drop them (scores and logits are returned), or use plain generate() "
+                          "for them.")
+
+
+def decoder_view(model, model_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], EncoderStates | None]:
+    """An encoder-decoder's ``model_kwargs`` (as generate() hands them to a ``custom_generate`` callable) as the
+    loop reads a decoder-only model's: its decoder's mask and positions under the loop's names
+    (``attention_mask``, ``position_ids``), the cache and flags as they are; and its encoder states apart. A
+    decoder-only model's kwargs come back as they are, with None."""
+    if not is_encoder_decoder(model):
+        return dict(model_kwargs), None
+    check_inputs(model, model_kwargs)
+    encoded = model_kwargs.get("encoder_outputs")
+    if encoded is None:
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder and generate() handed hf_specdec no "
+                         "encoder_outputs; call model.generate(inputs, ...) so that generate() runs the encoder.")
+    hidden = encoded[0] if isinstance(encoded, (tuple, list)) else encoded.last_hidden_state
+    mask = model_kwargs.get("attention_mask")
+    states = EncoderStates(hidden, mask)
+    view = {name: value for name, value in model_kwargs.items()
+            if name not in ("encoder_outputs", "attention_mask") and name not in DECODER_ARGUMENTS.values()}
+    for name, decoder_name in DECODER_ARGUMENTS.items():
+        if name != "input_ids" and model_kwargs.get(decoder_name) is not None:
+            view[name] = model_kwargs[decoder_name]
+    return view, states
+
+
+def draft_states(draft_model, target: EncoderStates, inputs_tensor: torch.Tensor | None) -> EncoderStates | None:
+    """The encoder states ``draft_model``'s forwards read, for a call whose target reads ``target``: an
+    encoder-decoder draft's own, its encoder run once on ``inputs_tensor`` (the call's encoder input) with the
+    target's encoder mask, as transformers' assisted generation runs it; the target's, for a decoder-only draft
+    that reads an encoder (its encoder must be the target's: distil-whisper); None for any other draft (it
+    drafts from the decoder tokens alone)."""
+    if not reads_encoder(draft_model):
+        return None
+    if not is_encoder_decoder(draft_model):
+        if int(target.hidden.shape[-1]) != int(getattr(draft_model.config, "d_model", target.hidden.shape[-1])):
+            raise ValueError(
+                f"The draft {type(draft_model).__name__} reads the target's encoder states, whose width "
+                f"({int(target.hidden.shape[-1])}) is not its d_model ({draft_model.config.d_model}); a decoder-only "
+                "draft must share the target's encoder (distil-whisper's), or use an encoder-decoder draft.")
+        return target.shared()
+    if inputs_tensor is None:
+        raise ValueError("An encoder-decoder draft runs its own encoder on the call's inputs, which generate() did "
+                         "not hand over; call model.generate(inputs, ...) (not with encoder_outputs=).")
+    config = copy.deepcopy(draft_model.generation_config)
+    kwargs: dict[str, Any] = {} if target.mask is None else {"attention_mask": target.mask}
+    inputs, name, kwargs = draft_model._prepare_model_inputs(inputs_tensor, config.bos_token_id, kwargs)
+    with torch.no_grad():
+        kwargs = draft_model._maybe_prepare_encoder_kwargs_for_generation(inputs, kwargs, name, config)
+    encoded = kwargs["encoder_outputs"]
+    hidden = encoded[0] if isinstance(encoded, (tuple, list)) else encoded.last_hidden_state
+    return EncoderStates(hidden, target.mask, EncoderReading.OWN)
+
+
+def draft_reads_ids_only(draft_model) -> bool:
+    """Can a narrowed output layer run the draft's base model (``drafters.draft_model.SubVocabHead``)? Not for a
+    model reading encoder states: its base model takes them under other names."""
+    return not reads_encoder(draft_model)
+
+
+@dataclass
+class SpecGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """``GenerateEncoderDecoderOutput`` (what plain ``generate`` returns for an encoder-decoder with
+    ``return_dict_in_generate``) plus the stats of the call."""
+
+    spec_stats: Any = None
