@@ -299,3 +299,43 @@ def test_an_encoder_decoder_model_is_refused_before_its_encoder_runs(prompt, mod
 def test_a_typo_is_left_to_generates_own_validation(llama, prompt):
     with pytest.raises(ValueError, match=r"The following `model_kwargs` are not used by the model: \['atention_mask'\]"):
         llama.generate(prompt, atention_mask=torch.ones_like(prompt), max_new_tokens=4, decoding="lookahead")
+
+
+def _tiny_blt():
+    """transformers' BLT tester's config (patching off: one patch per byte)."""
+    from transformers import BltConfig, BltForCausalLM
+
+    part = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=32, max_position_embeddings=32, rope_parameters={"rope_type": "default"},
+                hidden_act="silu", rms_norm_eps=1e-5, dropout=0.0)
+    config = BltConfig(vocab_size=32, max_position_embeddings=32, patch_in_forward=False, patch_size=4,
+                       patching_mode="entropy", max_patch_length=None, cross_attn_k=2,
+                       encoder_hash_byte_group_size=[2, 3], encoder_hash_byte_group_vocab=64,
+                       encoder_hash_byte_group_nb_functions=1, patcher_config=part, encoder_config=part,
+                       decoder_config=dict(part, vocab_size=32, hidden_size_global=32),
+                       global_config=dict(part, hidden_size=32), tie_word_embeddings=False)
+    config.num_attention_heads, config.num_hidden_layers, config.hidden_size = 2, 1, 16
+    torch.manual_seed(0)
+    return BltForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_blt_is_refused_before_any_forward_for_its_forward_over_new_tokens_is_not_its_steps(mode):
+    """BLT's forward over several new tokens on a cache gives other tokens than its one-token steps (a token's
+    hash embedding reads the tokens before it in the forward, and its global transformer keeps no cache), so no
+    guess can be verified exactly: refused in both modes, before any forward, with the reason."""
+    blt = _tiny_blt()
+    prompt = torch.randint(1, 32, (2, 7), generator=torch.Generator().manual_seed(0))
+    out = type(blt).generate(blt, prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cache = blt(prompt, use_cache=True).cache
+        together = blt(out[:, 7:-1], cache=cache, use_cache=True).logits.argmax(-1)
+    assert not torch.equal(together, out[:, 8:])  # plain's steps chose other tokens than the forward over them
+    hf_specdec.enable(blt)
+    routed = dict(assistant_model=copy.deepcopy(blt)) if mode == "speculative" else dict(decoding="lookahead")
+    with CountAllForwards() as forwards, pytest.raises(
+            hf_specdec.support.Unsupported, match=rf"cannot run BltForCausalLM \(blt\) with decoding='{mode}': its "
+                                                  r"forward over several new tokens differs from its one-token "
+                                                  r"steps \(a token's byte-group hash embedding"):
+        blt.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, **routed)
+    assert forwards.count == 0

@@ -273,3 +273,101 @@ def test_paligemma2_equals_plain_generate(paligemma2, mode):
     routed = (dict(assistant_model=perturbed_copy(paligemma2, 0.1, relative=True), spec_config=FIXED)
               if mode == "speculative" else modes(paligemma2)[mode])
     _check(paligemma2, ids, kwargs, routed, mode)
+
+
+# -- IDEFICS: images read by cross-attention, each token's images in image_attention_mask ----------------------------
+@pytest.fixture(scope="module")
+def idefics():
+    """transformers' IDEFICS tester's config: 30x30 images in 2x2 patches, read by gated cross-attention layers;
+    ``image_attention_mask`` [B, P, images] says which images each token attends to (none: its gate is 0)."""
+    from transformers import IdeficsConfig, IdeficsForVisionText2Text
+
+    torch.manual_seed(0)
+    config = IdeficsConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        hidden_act="gelu", max_position_embeddings=512, alpha_initializer="ones",
+        vision_config=dict(embed_dim=32, patch_size=2, image_size=30, num_attention_heads=4, num_hidden_layers=2,
+                           intermediate_size=37),
+        perceiver_config=dict(resampler_depth=2, resampler_head_dim=8, resampler_n_heads=2, resampler_n_latents=16))
+    return _plain_config(IdeficsForVisionText2Text(config).eval())
+
+
+IDEFICS_STOP = 65  # row 0 of idefics_inputs emits it second, row 1 never
+
+
+def idefics_inputs(batch, mask=None):
+    """Two images per row; row 0 (whole) attends to image 0 from its second token and to image 1 from its sixth,
+    row 1 (2 columns of padding) to its image 1 from its fourth column. Plain gives every new token its row's last
+    ``image_attention_mask`` row."""
+    ids = torch.tensor([[7, 11, 12, 13, 14, 15, 16, 9], [PAD, PAD, 5, 17, 42, 8, 23, 61]])[:batch]
+    images = torch.zeros(2, 8, 2, dtype=torch.long)
+    images[0, 1:, 0], images[0, 5:, 1], images[1, 3:, 1] = 1, 1, 1
+    mask = torch.tensor([[1] * 8, [0, 0] + [1] * 6]) if mask is None else mask
+    return ids, dict(pixel_values=torch.randn(2, 2, 3, 30, 30, generator=torch.Generator().manual_seed(0))[:batch],
+                     image_attention_mask=images[:batch], attention_mask=mask[:batch])
+
+
+def test_the_idefics_model_reads_each_tokens_images(idefics):
+    ids, kwargs = idefics_inputs(2)
+    seen = type(idefics).generate(idefics, ids, max_new_tokens=NEW, do_sample=False, **kwargs)
+    for row in (0, 1):  # a new token's images are its row's last: without them, the row's tokens change
+        blind = kwargs["image_attention_mask"].clone()
+        blind[row, -1] = 0
+        other = type(idefics).generate(idefics, ids, max_new_tokens=NEW, do_sample=False,
+                                       **dict(kwargs, image_attention_mask=blind))
+        assert not torch.equal(seen[row], other[row]) and torch.equal(seen[1 - row], other[1 - row])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mode", ["speculative", "lookahead", "tree"])
+def test_idefics_equals_plain_generate(idefics, mode, batch, monkeypatch):
+    """Every drafted token, window input and tree node attends to its row's last images, read from the images the
+    prompt's forward encoded (``image_encoder_embeddings``, as plain's steps): chains with an IDEFICS draft (which
+    encodes its own), lookahead's trie and window, and draft-model trees."""
+    ids, kwargs = idefics_inputs(batch)
+    draft = perturbed_copy(idefics, 0.1, relative=True)
+    if mode == "speculative":
+        routed = dict(assistant_model=draft, spec_config=FIXED)
+    elif mode == "tree":
+        signature = inspect.signature(idefics.forward)
+        charged(monkeypatch, idefics, draft)
+        idefics.forward.__signature__ = signature  # generate() checks the image inputs against it
+        routed = dict(assistant_model=draft, spec_config=TREE, speculative_memory=paying(draft))
+    else:
+        routed = modes(idefics)[mode]
+    stats = _check(idefics, ids, kwargs, routed, "lookahead" if mode == "lookahead" else "speculative")
+    if mode == "tree":
+        assert_every_drafting_round_was_a_tree(stats)
+    if mode == "lookahead":
+        assert stats.tree_rounds > 0, stats  # IDEFICS reads a trie
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_idefics_rows_that_stop_leave_their_images(idefics, mode):
+    """Row 0 stops at its second token; row 1 goes on alone with its own two encoded images (the batch's encoded
+    images are two per row: the rows that stop take theirs along)."""
+    ids, kwargs = idefics_inputs(2)
+    draft = perturbed_copy(idefics, 0.1, relative=True)
+    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(idefics)[mode]
+    _check(idefics, ids, dict(kwargs, eos_token_id=IDEFICS_STOP), routed, mode)
+    out = type(idefics).generate(idefics, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                                 eos_token_id=IDEFICS_STOP, **kwargs)
+    assert out[0, ids.shape[1] + 1] == IDEFICS_STOP and IDEFICS_STOP not in out[1, ids.shape[1]:]
+
+
+def test_an_idefics_draft_that_would_read_text_is_refused_before_any_forward(idefics):
+    """A mask with a hole has a draft model read the prompt as text, which an IDEFICS draft cannot do without its
+    images: refused before any forward, naming the input and the ways out. Lookahead takes the same mask."""
+    from tests.test_inputs import CountAllForwards
+
+    holed = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])
+    ids, kwargs = idefics_inputs(1, mask=holed)
+    draft = perturbed_copy(idefics, 0.1, relative=True)
+    with CountAllForwards() as forwards, pytest.raises(
+            hf_specdec.inputs.UnsupportedInput,
+            match=r"cannot run the draft model \(IdeficsForVisionText2Text\) on this prompt: it reads images through "
+                  r"image_attention_mask.*text-only draft model, or decoding='lookahead'"):
+        idefics.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, assistant_model=draft,
+                         spec_config=FIXED, **kwargs)
+    assert forwards.count == 0
+    _check(idefics, ids, kwargs, modes(idefics)["lookahead"], "lookahead")
