@@ -30,7 +30,8 @@ from __future__ import annotations
 from typing import Mapping, Protocol
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (CacheLayerMixin, DummyLayer, DynamicIndexedLayer, DynamicLayer,
+                                      DynamicSlidingWindowLayer)
 
 KV = tuple[torch.Tensor, torch.Tensor]  # a row's keys and values [1, H, h, D]
 
@@ -141,9 +142,111 @@ class SlidingWindow(FullAttention):
         raise AssertionError("a sliding-window layer is never compacted: its window counts columns")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Layers that follow another layer's slots, and layers with indexer keys
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Stateless:
+    """A ``DummyLayer``: a layer that keeps no cache. A KV-shared consumer layer (Gemma 3n, Gemma 4 with
+    ``num_kv_shared_layers``) reads the keys and values its producer layer (the last earlier layer of its type)
+    returned in the same forward (``shared_kv_states``), under the same mask as the producer (masks go by layer
+    type); a layer without attention needs none. So it follows its source layer's slots as they are, holes and
+    window included: every operation is a no-op, and it holds nothing to lend, park or gather."""
+
+    holds_holes = True
+    lendable = True
+    branches = True
+    rows_apart = None
+
+    def crop(self, layer, length: int, window: bool) -> None:
+        """Nothing held: the producer's crop is the consumer's."""
+
+    def settle(self, layer) -> None:
+        """Nothing held."""
+
+    def gather(self, layer, start: int, index: torch.LongTensor) -> None:
+        """Nothing held."""
+
+    def compact(self, layer, index: torch.LongTensor) -> None:
+        """Nothing held."""
+
+    def select_rows(self, layer, index: torch.LongTensor) -> None:
+        """Nothing held."""
+
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> None:
+        return None
+
+    def lend(self, mine, theirs) -> None:
+        """Nothing held: the borrower's consumer layer reads its own producer's keys in its forward."""
+
+
+class Indexed(FullAttention):
+    """A ``DynamicIndexedLayer`` (DeepSeek-V3.2-style sparse attention: DeepSeek V3.2, GLM-MoE-DSA, ...): a full
+    attention layer that also caches one indexer key per column (``indexer_keys`` [B, S, d]) and, in some models,
+    the positions the indexer read (``indexer_position_ids`` [P, B, S]). The indexer scores every key column a query
+    may see and keeps the top k; the mask hides holes from it as from the attention (masked scores are -inf), so
+    holes can stay. Its indexer columns follow the key columns through every crop, gather, compaction and row
+    selection (``select_rows``: ``batch_select_indices`` selects them too).
+
+    >>> layer = DynamicIndexedLayer()
+    >>> _ = layer.update(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2))
+    >>> _ = layer.update_indexer(torch.arange(6.0).reshape(1, 6, 1))
+    >>> Indexed().gather(layer, 3, torch.tensor([[0, 2]])); Indexed().crop(layer, 5, True)
+    >>> layer.indexer_keys.flatten().tolist()  # column 5 moved to 4, the rest cropped
+    [0.0, 1.0, 2.0, 3.0, 5.0]
+    """
+
+    def crop(self, layer, length: int, window: bool) -> None:
+        """Each tensor cropped to ``length`` on its own (a forward that failed half-way may have written the keys
+        and not the indexer keys)."""
+        current = layer.get_seq_length()
+        if current > length:
+            DynamicLayer.crop(layer, length - current)  # the keys and values only
+        if layer.is_indexer_initialized and layer.indexer_keys.shape[1] > length:
+            layer.indexer_keys = layer.indexer_keys[:, :length]
+        if layer.indexer_position_ids is not None and layer.indexer_position_ids.shape[-1] > length:
+            layer.indexer_position_ids = layer.indexer_position_ids[..., :length]
+
+    def gather(self, layer, start: int, index: torch.LongTensor) -> None:
+        super().gather(layer, start, index)
+        begin, m = start, index.shape[1]  # the indexer holds every column, like the keys
+        if _holds_indexer(layer):
+            keys = layer.indexer_keys  # [B, S, d]
+            where = (begin + index).to(keys.device)[:, :, None].expand(-1, -1, keys.shape[2])
+            keys[:, begin: begin + m] = keys.gather(1, where)
+        if layer.indexer_position_ids is not None:
+            positions = layer.indexer_position_ids  # [P, B, S]
+            where = (begin + index).to(positions.device)[None].expand(positions.shape[0], -1, -1)
+            positions[..., begin: begin + m] = positions.gather(2, where)
+
+    def compact(self, layer, index: torch.LongTensor) -> None:
+        super().compact(layer, index)
+        if _holds_indexer(layer):
+            where = index.to(layer.indexer_keys.device)[:, :, None].expand(-1, -1, layer.indexer_keys.shape[2])
+            layer.indexer_keys = layer.indexer_keys.gather(1, where)
+        if layer.indexer_position_ids is not None:
+            positions = layer.indexer_position_ids
+            layer.indexer_position_ids = positions.gather(2, index.to(positions.device)[None].expand(
+                positions.shape[0], -1, -1))
+
+    def lend(self, mine, theirs) -> None:
+        super().lend(mine, theirs)
+        if _holds_indexer(theirs):
+            mine.lazy_initialization_indexer(theirs.indexer_keys)
+            mine.indexer_keys = theirs.indexer_keys
+        mine.indexer_position_ids = theirs.indexer_position_ids
+
+
+def _holds_indexer(layer) -> bool:
+    return layer.is_indexer_initialized and layer.indexer_keys.numel() > 0
+
+
 BACKENDS: Mapping[type, LayerBackend] = {
     DynamicLayer: FullAttention(),
     DynamicSlidingWindowLayer: SlidingWindow(),
+    DummyLayer: Stateless(),
+    DynamicIndexedLayer: Indexed(),
 }
 
 

@@ -30,6 +30,9 @@ Choices that make the sweep able to see a bug (each measured):
   RoBERTa-style models, a second difference unrelated to cache handling);
 - ``is_decoder=True`` (BERT-style decoders are bidirectional otherwise), ``use_cache=True`` (MPT defaults to
   False and would be refused), DSA ``index_topk`` above the sequence length (sparse top-k over ReLU scores ties);
+- the layout of published checkpoints, not a simpler one that hides a kind of layer: Gemma 3n / Gemma 4 share keys
+  and values between layers as their E2B/E4B checkpoints do (``_kv_sharing``), hybrid models keep their recurrent
+  and attention layers (``_OVERRIDES``). A kind of cache layer hf_specdec has no backend for is refused, and shows;
 - fixed draft lengths / lookahead shape (``SPEC_CONFIG`` / ``LOOKAHEAD_CONFIG``), so every round drafts and rolls
   back; each row records ``drafted`` / ``accepted`` so an exact row that never exercised anything shows.
 
@@ -170,7 +173,6 @@ _ALIASES: dict[str, Any] = {
     "num_mtp_layers": 0,
     "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": VOCAB,
-    "num_kv_shared_layers": 0,
     "unpadded_vocab_size": VOCAB,
     # sensitivity: an untied random head and a wider init make the next token depend on the context (a tied tiny
     # model at std 0.02 mostly repeats its input token, which would hide a lost cache)
@@ -230,8 +232,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # LFM2: a short-conv layer and an attention layer (the default is attention only for lfm2, unset for lfm2_moe)
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    # an assistant head of Gemma 4: no per-layer inputs
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # an assistant head of Gemma 4: no per-layer inputs, every layer reads the target's keys and values (its config
+    # sets that itself), single-width MLPs
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "num_kv_shared_layers": _DROP_LATER, "use_double_wide_mlp": _DROP_LATER}},
     # Falcon-H1: the SSM width follows expand x hidden (the default pins it to 1024)
     "falcon_h1": {"mamba_d_ssm": None, "mamba_d_head": "auto"},
     # Bamba: attention at the listed layers (the default lists none: all mamba)
@@ -267,6 +271,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                        "indexer_compress_ratio": 4},
     "qwen4_exp": {"text_config": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
                                   "indexer_budget": 16, "indexer_compress_ratio": 4}},
+    # Kolibri 1.1: its indexer scores with the leading query heads of key head 0 (at most heads / KV heads)
+    "kolibri1_1": {"index_num_heads": HEADS // KV_HEADS},
     # MusicGen decoder: one codebook, so input_ids is a plain [batch, seq] sequence
     "musicgen": {"decoder": {"num_codebooks": 1}},
     "musicgen_melody": {"decoder": {"num_codebooks": 1}},
@@ -356,12 +362,14 @@ def tiny_config(model_type: str):
         sub_kwargs = dict(getattr(spec, "init_kwargs", None) or {})
         sub_kwargs.update(_tiny_kwargs(sub_class, sub=True))
         sub_kwargs.update(_layer_pattern(sub_class, sub_kwargs))
+        sub_kwargs.update(_kv_sharing(sub_class, sub_kwargs))
         sub_kwargs = _canonical(sub_class, sub_kwargs)
         if sub_type is not None:
             sub_kwargs["model_type"] = sub_type
         kwargs[name] = sub_kwargs
 
     kwargs.update(_layer_pattern(config_class, kwargs))
+    kwargs.update(_kv_sharing(config_class, kwargs))
     kwargs = _canonical(config_class, kwargs)
     override = _canonical(config_class, _OVERRIDES.get(model_type, {}))
     for name, value in override.items():
@@ -436,6 +444,24 @@ def _layer_pattern(config_class, kwargs: dict[str, Any]) -> dict[str, Any]:
     for name in _DEPTH_FIELDS:
         if name in fields:
             result[name] = depth
+    return result
+
+
+def _kv_sharing(config_class, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """KV sharing as the published checkpoints that have it use it (Gemma 3n E2B/E4B: the last 10 or 15 of 30 or
+    35 layers; Gemma 4 E2B/E4B: 20 of 35 and 18 of 42, with double-wide MLPs in them): the last layers compute
+    no keys and values of their own but read those of the last earlier layer of their type. Tiny: one layer of
+    each kind producing, then one of each kind reading (``num_kv_shared_layers`` = the number of kinds)."""
+    fields = {name for name in _config_fields(config_class) if not _is_property(config_class, name)}
+    if "num_kv_shared_layers" not in fields or "layer_types" not in fields:
+        return {}
+    kinds = _layer_kinds(kwargs.get("layer_types") or getattr(config_class(), "layer_types", None) or [])
+    if not kinds:
+        return {}
+    result: dict[str, Any] = {"layer_types": kinds + kinds, "num_kv_shared_layers": len(kinds)}
+    result.update({name: 2 * len(kinds) for name in _DEPTH_FIELDS if name in fields})
+    if "use_double_wide_mlp" in fields:
+        result["use_double_wide_mlp"] = True
     return result
 
 
@@ -681,6 +707,7 @@ def _sweep_one(model_type, config_class, model_class, modes, prompt, n, spec_con
     base["params"] = sum(p.numel() for p in target.parameters())
     base["attn"] = getattr(target.config, "_attn_implementation", None)
     base["cache_layers"] = _cache_layer_kinds(target)
+    base["trie"] = _reads_tries(target)
     # references
     try:
         plain, no_cache, plain_error = _references(target, prompt, n)
@@ -729,6 +756,17 @@ def _sweep_one(model_type, config_class, model_class, modes, prompt, n, spec_con
         row["seconds"] = round(time.perf_counter() - mode_start, 3)
         rows.append(row)
     return rows
+
+
+def _reads_tries(model) -> bool | None:
+    """Does lookahead verify a trie of guesses (and a Jacobi window) in one forward of this model, or one chain a
+    round (``support.tree_refusal``)? None where that cannot be told."""
+    try:
+        from hf_specdec.support import tree_refusal
+
+        return tree_refusal(model) is None
+    except Exception:  # noqa: BLE001 - reported as unknown, the modes' rows say what failed
+        return None
 
 
 def _cache_layer_kinds(model) -> str | None:
@@ -829,7 +867,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], modes: Iterable[s
         "",
         "Generated by `python tests/arch_sweep.py OUT.json --markdown docs/architectures.md` (the same sweep "
         "`tests/test_architectures.py` runs in CI): every causal-LM class transformers "
-        f"{meta['transformers']} ships, as a tiny random fp32 model (width 64, 2 layers or one per layer kind, "
+        f"{meta['transformers']} ships, as a tiny random fp32 model laid out as its published checkpoints are (width "
+        "64, 2 layers or one per layer kind; where checkpoints share keys and values between layers, as Gemma 3n's "
+        "and Gemma 4's do, one producing and one reading layer per kind; "
         f"sliding window {SLIDING_WINDOW}, so the {len(PROMPT)}-token prompt and {NEW_TOKENS} new tokens run past "
         "it), decoded greedily by hf_specdec and compared token for token with plain `generate` (or, where plain "
         "`generate` disagrees with a full forward from scratch at every step, with that reference). Speculative: "
@@ -840,16 +880,31 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], modes: Iterable[s
         "Totals: " + "; ".join(f"{mode}: " + ", ".join(f"{n} {STATUS_WORDS.get(k, k)}" for k, n in
                                                          sorted(c.items())) for mode, c in count.items()) + ".",
         "",
+        _trie_line(rows),
+        "",
         "| architecture | " + " | ".join(modes) + " | why refused |",
         "|---|" + "---|" * len(modes) + "---|",
     ]
     for arch in sorted(by_arch):
         cells = by_arch[arch]
         statuses = [STATUS_WORDS.get(cells.get(m, {}).get("status", "-"), "-") for m in modes]
+        statuses = [f"{word} (chains)" if m == "lookahead" and word == "exact" and cells[m].get("trie") is False
+                    else word for m, word in zip(modes, statuses)]
         reasons = sorted({c["error"] for c in cells.values() if c.get("error") and c["status"] != "exact"})
         reason = " / ".join(r.replace("|", "/").removeprefix("ValueError: ").removeprefix("Unsupported: ") for r in reasons)
         lines.append(f"| {arch} | " + " | ".join(statuses) + f" | {reason} |")
     return "\n".join(lines) + "\n"
+
+
+def _trie_line(rows: list[dict[str, Any]]) -> str:
+    """How many of lookahead's exact architectures read a trie of guesses in one forward, and how many chains."""
+    exact = [r for r in rows if r["mode"] == "lookahead" and r["status"] == "exact"]
+    chains = sum(r.get("trie") is False for r in exact)
+    return (f"Lookahead reads a trie of guesses and a Jacobi window in one forward on {len(exact) - chains} of its "
+            f"{len(exact)} exact architectures; the other {chains} (\"exact (chains)\": no `position_ids` in their "
+            "forward, an attention mask or bias of their own, layer types whose masks hf_specdec does not build, or "
+            "cache layers that keep one state per row: `support.tree_refusal`) verify the best path of its "
+            "candidates, one chain a round, with no Jacobi window (docs/lookahead.md, \"Chains only\").")
 
 
 def main(argv: list[str] | None = None) -> int:

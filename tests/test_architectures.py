@@ -1,8 +1,11 @@
 """Every causal LM transformers ships: each hf_specdec mode is token-identical to plain greedy, or refused up front.
 
-The sweep (tests/arch_sweep.py) builds a tiny random fp32 model per architecture and decodes a 15-token prompt
-for 24 tokens with a sliding window of 8 (so sliding-window layers run past their window). docs/architectures.md
-is its table (regenerate with `python tests/arch_sweep.py OUT.json --markdown docs/architectures.md`).
+The sweep (tests/arch_sweep.py) builds a tiny random fp32 model per architecture, laid out as its published
+checkpoints are (KV-shared layers in Gemma 3n and Gemma 4, the layer kinds of hybrid models), and decodes a
+15-token prompt for 24 tokens with a sliding window of 8 (so sliding-window layers run past their window).
+docs/architectures.md is its table (regenerate with `python tests/arch_sweep.py OUT.json --markdown
+docs/architectures.md`). A kind of cache layer that gains a backend (hf_specdec/backends.py) turns its models from
+refused to run here with nothing to change in the sweep.
 """
 
 import pytest
@@ -51,6 +54,17 @@ def test_the_families_that_matter_are_exact_past_the_sliding_window(rows):
     assert status[("bloom", "speculative_random")] == "exact" and status[("bloom", "lookahead")] == "exact"
     assert status[("mamba", "speculative_self")] == "refused"
     assert status[("openai-gpt", "speculative_self")] == "refused"
+
+
+def test_kv_shared_and_indexed_models_run_as_their_checkpoints_are_laid_out(rows):
+    """Gemma 3n and Gemma 4 with their last layers reading earlier layers' keys and values (the tiny configs have
+    them: ``DummyLayer`` in the cache), and DSA models with indexer keys: exact in every mode."""
+    by_arch = {(r["arch"], r["mode"]): r for r in rows}
+    for arch in ("gemma3n_text", "gemma4_text", "gemma4"):
+        assert "DummyLayer" in by_arch[(arch, "lookahead")]["cache_layers"], arch
+    for arch in ("gemma3n_text", "gemma4_text", "gemma4", "deepseek_v32", "glm_moe_dsa"):
+        for mode in arch_sweep.MODES:
+            assert by_arch[(arch, mode)]["status"] == "exact", (arch, mode, by_arch[(arch, mode)].get("error"))
 
 
 def test_architectures_that_cannot_be_built_are_listed_with_the_reason(rows):
