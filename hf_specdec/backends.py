@@ -21,6 +21,10 @@ What a backend does, every operation in place on one layer (``LayerBackend``):
 ``row_states(layer, row, kept)`` one row's keys and values at its ``kept`` columns (None: the layer holds none)
 ``lend(mine, theirs)``           ``mine`` (an early-exit view's layer) starts from ``theirs``' tensors, uncopied
 
+Layers that carry states through their inputs (``STATEFUL``: recurrent and hybrid layers, ``Recurrent``) have no
+column per token to crop: before each forward ``prepare`` tells them how many inputs may be rolled back (each
+input's state is recorded), and at a keep ``keep_rows`` gives each row the states after its last kept input.
+
 Worked example (a full-attention layer of one row holding columns 0..5; a trie round wrote 3..5 and the row
 kept 3 and 5): ``gather(layer, 3, [[0, 2]])`` moves column 5 to 4, and ``crop(layer, 5, True)`` drops the rest.
 """
@@ -32,12 +36,16 @@ from typing import Mapping, Protocol
 import torch
 from transformers.cache_utils import (CacheLayerMixin, DummyLayer, DynamicIndexedLayer, DynamicLayer,
                                       DynamicSlidingWindowLayer)
+from transformers.cache_utils import LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
 KV = tuple[torch.Tensor, torch.Tensor]  # a row's keys and values [1, H, h, D]
 
 
 def holds_states(layer) -> bool:
-    """Does the layer hold keys and values yet (layers initialise lazily; a KV-shared layer never does)?"""
+    """Does the layer hold keys and values (or a recurrent layer its states) yet (layers initialise lazily; a
+    KV-shared layer never does)?"""
+    if type(layer) in STATEFUL:
+        return STATEFUL[type(layer)].holds(layer)
     return getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0
 
 
@@ -242,11 +250,216 @@ def _holds_indexer(layer) -> bool:
     return layer.is_indexer_initialized and layer.indexer_keys.numel() > 0
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Recurrent and hybrid layers: states carried through the inputs, restored per row
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Recurrent:
+    """A ``LinearAttentionLayer`` (Mamba, Mamba 2, the linear-attention layers of Jamba, Qwen3-Next, Granite 4
+    hybrid, Qwen3.5): per row, a conv state (the last K inputs of a causal convolution, K its kernel) and a recurrent
+    (SSM / delta-rule) state carried through the inputs; no columns. Recording (``cache.new_cache``), a forward
+    appends its conv inputs to the conv state and, per input, the recurrent state before it to the layer's history
+    (``recurrent_states_history``), for as many inputs as ``prepare`` asked: every input of a forward whose inputs
+    may be rolled back (then the model also runs them one at a time, as plain decoding does; Mamba-1's chunked scan
+    ignores a cached state), none at a prompt read. ``keep_rows`` then gives each row the states after its last
+    kept input: row r, keeping m_r of the w inputs written since the last keep, takes the history's entry w - m_r
+    from the end (its current state when m_r = w) and the conv window ending at its m_r-th input. One state per row
+    cannot follow the branches of a trie (chains only), and a forward updates the states in place (no lending).
+
+    After a keep the layer holds, besides its states, what rolls back the inputs that row kept (the same count in
+    every row: history entries and the conv inputs before them), until ``settle``: ``crop`` goes back over them
+    uniformly (``discard``, a cache handed back cut to the emitted tokens); a crop past them only counts.
+
+    Worked example (one row, kernel 2, states written as the tokens read so far): after ``keep_rows`` the row
+    holds conv [b, c] and state "abc"; a forward over d, e appends conv d, e and history ["abc", "abcd"] (state
+    "abcde"); keeping one of the two inputs leaves conv [c, d] and state "abcd".
+    """
+
+    holds_holes = True  # no columns: nothing to mask
+    lendable = False
+    branches = False
+    rows_apart = None  # each row's states are restored on their own
+    attends = False  # no attention over columns: a 2-D mask would address nothing (Mamba takes it per input)
+
+    def holds(self, layer) -> bool:
+        return any(layer.is_conv_states_initialized.values())
+
+    def prepare(self, layer, inputs: int) -> None:
+        """Before a forward of ``inputs`` inputs to be rolled back (0: a prompt read, kept whole): record the state
+        before each of them. (``activate_past_recording`` gives every state index one shared history list; each
+        gets its own.)"""
+        layer.recurrent_states_to_keep = inputs
+        histories = layer.recurrent_states_history
+        if len({id(history) for history in histories.values()}) < len(histories):
+            layer.recurrent_states_history = {index: list(history) if index == 0 else []
+                                              for index, history in histories.items()}
+
+    def keep_rows(self, layer, start: int, kept: torch.LongTensor) -> None:
+        """Row r keeps the first ``kept[r]`` of the inputs the layer read after column ``start`` ([B]); the layer
+        then counts ``start + max(kept)`` columns, as the attention layers of its model hold."""
+        written = int(layer.cumulative_length_linear) - start  # 0 where a failed forward never reached the layer
+        dropped = (written - kept.cpu()).clamp(min=0)  # [B]
+        uniform = bool((kept == kept[0]).all())
+        for index in self._indices(layer):
+            history = layer.recurrent_states_history[index] if layer.is_recurrent_states_initialized[index] else []
+            assert not layer.is_recurrent_states_initialized[index] or len(history) >= int(dropped.max()), \
+                "keep: the forward recorded fewer states than it had inputs (prepare)"
+            recorded = not layer.is_recurrent_states_initialized[index] or len(history) >= written
+            retained = int(kept[0]) if uniform and written > 0 and recorded else 0
+            layer.conv_states[index] = self._windows(layer.conv_states[index], layer.conv_kernel_size[index] + retained,
+                                                     dropped)
+            if layer.is_recurrent_states_initialized[index]:
+                state = layer.recurrent_states[index].clone()
+                for row in dropped.nonzero()[:, 0].tolist():
+                    state[row] = history[-int(dropped[row])][row]
+                layer.recurrent_states[index].copy_(state)
+                first = len(history) - written
+                layer.recurrent_states_history[index] = history[first: first + retained]
+        layer.cumulative_length_linear.fill_(start + int(kept.max()))
+
+    @staticmethod
+    def _indices(layer) -> list[int]:
+        return [index for index in range(layer.number_of_states) if layer.is_conv_states_initialized[index]]
+
+    @staticmethod
+    def _windows(conv: torch.Tensor, width: int, dropped: torch.LongTensor) -> torch.Tensor:
+        """Per row r, the ``width`` conv inputs ([B, C, L]) that end ``dropped[r]`` before the last one (zeros
+        before the first, as a causal convolution pads).
+
+        >>> conv = torch.arange(1.0, 5.0).repeat(2, 1, 1)  # two rows of inputs 1..4
+        >>> Recurrent._windows(conv, 2, torch.tensor([0, 3])).tolist()
+        [[[3.0, 4.0]], [[0.0, 1.0]]]
+        """
+        rows, channels, length = conv.shape
+        padded = torch.nn.functional.pad(conv, (width, 0))
+        ends = (length + width - dropped).to(conv.device)  # [B] in padded columns
+        where = ends[:, None] - width + torch.arange(width, device=conv.device)[None, :]  # [B, width]
+        return padded.gather(2, where[:, None, :].expand(rows, channels, width))
+
+    def crop(self, layer, length: int, window: bool) -> None:
+        """Forget the inputs from column ``length`` on: the states go back over them where the layer still holds
+        what rolls them back (inputs written or kept since the last ``settle``), in every row alike; past that (a
+        column no row sees any more) only the count goes back."""
+        current = int(layer.cumulative_length_linear)
+        dropped = current - length
+        if dropped <= 0:
+            return
+        for index in self._indices(layer):
+            kernel = layer.conv_kernel_size[index]
+            conv = layer.conv_states[index]
+            history = layer.recurrent_states_history[index] if layer.is_recurrent_states_initialized[index] else None
+            if conv.shape[-1] - kernel < dropped or (history is not None and len(history) < dropped):
+                continue  # nothing recorded to go back over: those columns' states are no row's any more
+            layer.conv_states[index] = conv[..., : conv.shape[-1] - dropped]
+            if history is not None:
+                layer.recurrent_states[index].copy_(history[-dropped])
+                layer.recurrent_states_history[index] = history[: len(history) - dropped]
+        layer.cumulative_length_linear.fill_(length)
+
+    def settle(self, layer) -> None:
+        """Hold only what the next forward needs: the last K conv inputs, no history."""
+        for index in self._indices(layer):
+            kernel = layer.conv_kernel_size[index]
+            layer.conv_states[index] = self._windows(layer.conv_states[index], kernel,
+                                                     torch.zeros(layer.conv_states[index].shape[0], dtype=torch.long))
+            if layer.is_recurrent_states_initialized[index]:
+                layer.recurrent_states_history[index] = []
+
+    def gather(self, layer, start: int, index: torch.LongTensor) -> None:
+        raise AssertionError("a recurrent layer keeps a prefix of what was written (chains only)")
+
+    def compact(self, layer, index: torch.LongTensor) -> None:
+        """No columns to move: the layer counts as many as its model's attention layers keep."""
+        layer.cumulative_length_linear.fill_(int(index.shape[1]))
+
+    def select_rows(self, layer, index: torch.LongTensor) -> None:
+        for state in self._indices(layer):
+            where = index.to(layer.conv_states[state].device)
+            layer.conv_states[state] = layer.conv_states[state].index_select(0, where)
+            if layer.is_recurrent_states_initialized[state]:
+                layer.recurrent_states[state] = layer.recurrent_states[state].index_select(0, where)
+                layer.recurrent_states_history[state] = [entry.index_select(0, where)
+                                                         for entry in layer.recurrent_states_history[state]]
+
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> None:
+        """A row's recurrent state is no set of columns: ``KVStore`` never parks one (``cache.KVStore.prefill``
+        refuses what would)."""
+        return None
+
+    def lend(self, mine, theirs) -> None:
+        raise AssertionError("a recurrent layer is never lent: a forward updates its states in place")
+
+
+class RecurrentAndAttention(Recurrent):
+    """A ``LinearAttentionAndFullAttentionLayer`` (FalconH1: attention and a Mamba mixer side by side in every
+    layer): a ``Recurrent`` layer that also holds one key/value column per token, handled as ``FullAttention``'s
+    (holes stay masked; compaction moves columns). transformers' own ``crop`` of the layer crops both parts by one
+    count; here each part goes its own way."""
+
+    attends = True
+
+    def holds(self, layer) -> bool:
+        return super().holds(layer) or (layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0)
+
+    def crop(self, layer, length: int, window: bool) -> None:
+        super().crop(layer, length, window)
+        current = DynamicLayer.get_seq_length(layer)
+        if layer.is_initialized and current > length:
+            DynamicLayer.crop(layer, length - current)
+
+    def compact(self, layer, index: torch.LongTensor) -> None:
+        super().compact(layer, index)
+        FULL_ATTENTION.compact(layer, index)
+
+    def select_rows(self, layer, index: torch.LongTensor) -> None:
+        super().select_rows(layer, index)
+        if layer.is_initialized:
+            DynamicLayer.batch_select_indices(layer, index.to(layer.keys.device))
+
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> KV:
+        return FULL_ATTENTION.row_states(layer, row, kept)
+
+
+FULL_ATTENTION = FullAttention()
+RECURRENT = Recurrent()
+# layers that carry states through their inputs (``prepare`` before a forward, ``keep_rows`` at a keep)
+STATEFUL: Mapping[type, Recurrent] = {LinearAttentionLayer: RECURRENT,
+                                      LinearAttentionAndFullAttentionLayer: RecurrentAndAttention()}
+
+
+def prepare(layers, inputs: int) -> None:
+    """Before a forward of ``inputs`` inputs over ``layers`` (a cache's) that may be rolled back (0: a prompt
+    read, kept whole): its stateful layers record the state before each input (``Recurrent.prepare``)."""
+    for layer in layers:
+        if type(layer) in STATEFUL:
+            STATEFUL[type(layer)].prepare(layer, inputs)
+
+
+def keep_rows(layers, start: int, kept: torch.LongTensor) -> None:
+    """Row r keeps the first ``kept[r]`` inputs written after column ``start`` ([B]): the stateful layers among
+    ``layers`` restore each row's states (``Recurrent.keep_rows``); the others' columns are the store's to crop."""
+    for layer in layers:
+        if type(layer) in STATEFUL and STATEFUL[type(layer)].holds(layer):
+            STATEFUL[type(layer)].keep_rows(layer, start, kept)
+
+
+def stateful(layers) -> bool:
+    """Does any of ``layers`` carry a state through its inputs (a row's state cannot be cut back once kept)?"""
+    return any(type(layer) in STATEFUL for layer in layers)
+
+
+def attends(layers) -> bool:
+    """Does any of ``layers`` attend over cache columns (else a model takes no mask over them: Mamba)?"""
+    return any(STATEFUL[type(layer)].attends if type(layer) in STATEFUL else True for layer in layers)
+
+
 BACKENDS: Mapping[type, LayerBackend] = {
     DynamicLayer: FullAttention(),
     DynamicSlidingWindowLayer: SlidingWindow(),
     DummyLayer: Stateless(),
     DynamicIndexedLayer: Indexed(),
+    **STATEFUL,  # recurrent and hybrid layers
 }
 
 
