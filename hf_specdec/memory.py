@@ -29,14 +29,13 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Hashable, Mapping, MutableMapping, Sequence
 
 import torch
 
 from .config import LookaheadConfig
 from .costmodel import Estimates, ForwardCost
-from .drafters.early_exit import EarlyExit
-from .drafters.ngram_pool import HistoryIndex
+from .ngram_pool import HistoryIndex
 
 
 class EstimatesFrom(enum.StrEnum):
@@ -160,10 +159,26 @@ def _started(origin: Seeding | None, measured: bool) -> Seeding:
     return Seeding(EstimatesFrom.PRIORS, reason="no seeds and nothing measured yet")
 
 
+def held_by_value(key) -> bool:
+    """Does ``SpeculativeMemory`` hold ``key`` by value: a value, whose class defines its own equality
+    (``EarlyExit(N)``, made anew by each call: an equal one finds the same estimates), rather than an object known
+    by identity (a draft model, a drafter object), which it holds weakly so that a draft that is gone is
+    forgotten? The key is the draft source's ``memory_key`` (``drafters/base.py``).
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Depth:
+    ...     layers: int
+    >>> held_by_value(Depth(2)), held_by_value(object())
+    (True, False)
+    """
+    return type(key).__eq__ is not object.__eq__
+
+
 class SpeculativeMemory:
-    """The estimates of each draft model used with one target (held weakly: a draft that is gone is forgotten),
-    and where they started (``origin``); an early-exit draft of the target itself (``EarlyExit(N)``: a value) is
-    held by value.
+    """The estimates of each draft used with one target, by the draft source's ``memory_key``: a draft model or a
+    drafter object held weakly (a draft that is gone is forgotten), an early-exit draft of the target itself
+    (``EarlyExit(N)``: a value) by value (``held_by_value``); and where they started (``origin``).
 
     Outputs never depend on it (every guess is verified); only speed does. ``enable(model)`` keeps one per model
     as ``model.speculative_memory``; pass ``speculative_memory=None`` for a call that neither reads nor writes
@@ -172,13 +187,13 @@ class SpeculativeMemory:
 
     def __init__(self) -> None:
         self._by_draft: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._by_value: dict[EarlyExit, Estimates] = {}
+        self._by_value: dict[Hashable, Estimates] = {}
         self._origins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._origins_by_value: dict[EarlyExit, Seeding] = {}
+        self._origins_by_value: dict[Hashable, Seeding] = {}
 
     def _tables(self, draft) -> tuple[MutableMapping, MutableMapping]:
-        """``draft``'s (estimates, origins) tables: by value for ``EarlyExit(N)``, weakly by the object else."""
-        if isinstance(draft, EarlyExit):
+        """``draft``'s (estimates, origins) tables: by value for a value key, weakly by the object else."""
+        if held_by_value(draft):
             return self._by_value, self._origins_by_value
         return self._by_draft, self._origins
 

@@ -24,7 +24,7 @@ WITH_EXAMPLES = sorted(name for name, source in SOURCES.items() if ">>>" in sour
 
 
 def test_the_walk_finds_the_modules_with_examples():
-    assert {"hf_specdec.layout", "hf_specdec.drafters.ngram_pool", "hf_specdec.round", "eval.interleave"} <= set(
+    assert {"hf_specdec.layout", "hf_specdec.ngram_pool", "hf_specdec.round", "eval.interleave"} <= set(
         WITH_EXAMPLES)
 
 

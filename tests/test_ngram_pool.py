@@ -1,6 +1,6 @@
 """The lookahead n-gram pool (harvest, LRU eviction) and prompt lookup over the history."""
 
-from hf_specdec.drafters.ngram_pool import HistoryIndex, NgramPool
+from hf_specdec.ngram_pool import HistoryIndex, NgramPool
 
 
 def test_pool_keeps_most_recent_continuations_per_key():

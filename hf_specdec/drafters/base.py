@@ -9,10 +9,10 @@ works on the rows of a batch (one row for one prompt), each seen as a ``round.Ro
 ``propose(views, plans)``    per row, the guesses the policy's ``RoundPlan`` asks for (``round.Proposal``);
 ``update(outcomes)``         per row, the round's ``RoundOutcome``, so it keeps its state in step (a row whose
                              outcome is ``finished`` is gone from the next round);
-``attach(cache)``            optional: the target's ``cache.KVStore``, once it has read the prompts (before
-                             ``prefill``), for a drafter that reads the target's own keys and values (an early-exit
-                             draft borrows its first layers: ``drafters/early_exit.py``); the loop calls it only on
-                             drafters that have it;
+``attach(cache)``            the target's ``cache.KVStore``, once it has read the prompts (before ``prefill``): a
+                             drafter that reads the target's own keys and values keeps it (an early-exit draft
+                             borrows its first layers: ``drafters/early_exit.py``); the others inherit the
+                             protocol's default, which reads nothing;
 ``cache_bytes()``            bytes its own caches hold now (a draft model's KV cache; 0 without one), reported in
                              the stats at the end of a call;
 ``release()``                drop all state (caches) to free memory; it is not used again.
@@ -20,20 +20,33 @@ works on the rows of a batch (one row for one prompt), each seen as a ``round.Ro
 Drafters never decide acceptance (``verify.py``) nor sizes (``policy.py``): a plan is a value they follow. A
 drafter that serves one row at a time (``RowDrafter``: the same methods over one view / plan / outcome) is
 run per row by ``PerRow``; ``ChainDrafter`` puts prompt lookup after a draft model.
+
+Which drafter a call runs comes from its ``DraftSource`` (one per kind of draft, ``DraftKind``): the source says
+what ``SpeculativeMemory`` keeps the draft's estimates by, which draft model the hardware profile prices, which
+model's forwards draft, and builds the drafter for a call (``DraftCall``). ``drafters/source.py`` tells the kinds
+of a call's draft argument apart, in one place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
+from transformers import LogitsProcessorList
 
+from ..inputs import NO_INPUTS, ModelInputs
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 
 
+@runtime_checkable
 class Drafter(Protocol):
+    def attach(self, cache) -> None:
+        """The target's ``cache.KVStore`` after its prompt read (module docstring). Default: reads nothing."""
+
     def prefill(self, views: Sequence[RowView]) -> None: ...
 
     def offer(self, views: Sequence[RowView]) -> list[Offer]: ...
@@ -59,7 +72,57 @@ class RowDrafter(Protocol):
     def release(self) -> None: ...
 
 
-class NoDrafter:
+class DraftKind(enum.Enum):
+    """The kinds of draft a call drafts with; each has its ``DraftSource``."""
+
+    MODEL = "draft model"  # a causal LM sharing the target's tokenizer (``DraftModelSource``)
+    EARLY_EXIT = "early exit"  # the target's own first N layers, ``EarlyExit(N)`` (``EarlyExitSource``)
+    OWN = "own drafter"  # an object implementing ``Drafter`` (``OwnDrafterSource``)
+    LOOKAHEAD = "lookahead"  # the target's own window, pool and memory (``LookaheadSource``)
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """What one call gives the drafter it drafts with: the target, the call's logits processors and sampling,
+    the target's vocabulary (guesses are over it), the draft's narrow output layer (``SpecConfig.draft_vocab_size``),
+    the special token ids it always keeps, the padding id, the draft model's other inputs (``inputs.py``), and
+    whether prompt lookup follows a draft model's chain (``SpecConfig.history_lookup``)."""
+
+    target: torch.nn.Module
+    logits_processor: LogitsProcessorList
+    do_sample: bool
+    vocab_size: int
+    draft_vocab_size: int | None = None
+    special_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    model_inputs: ModelInputs = NO_INPUTS
+    history_lookup: bool = False
+
+
+class DraftSource(Protocol):
+    """Where a call's guesses come from, one per ``DraftKind``.
+
+    ``memory_key``: what ``SpeculativeMemory`` keeps this draft's estimates by across calls (the draft model,
+    ``EarlyExit(N)`` with N decided, the drafter object; None for lookahead, whose memory keeps one set).
+    ``profile_draft``: the draft model whose costs the hardware profile holds, looked up in its format
+    (``models.formats.model_format``); None: the profile prices the target alone (early exit, lookahead, a drafter
+    object). ``model``: the model whose forwards draft, checked as the target is (support, trees, vocabulary) and
+    given the call's model inputs; None: the drafter runs no model of its own. ``drafter(call)``: the ``Drafter``
+    for one call (it reads the target's cache through ``Drafter.attach``)."""
+
+    @property
+    def memory_key(self) -> Hashable | None: ...
+
+    @property
+    def profile_draft(self) -> torch.nn.Module | None: ...
+
+    @property
+    def model(self) -> torch.nn.Module | None: ...
+
+    def drafter(self, call: DraftCall) -> Drafter: ...
+
+
+class NoDrafter(Drafter):
     """Proposes nothing: every round is a plain step (after a drafter ran out of memory, say)."""
 
     def prefill(self, views: Sequence[RowView]) -> None:
@@ -81,7 +144,7 @@ class NoDrafter:
         pass
 
 
-class PerRow:
+class PerRow(Drafter):
     """One ``RowDrafter`` per row, made by ``make()`` when the row starts and released when it finishes."""
 
     def __init__(self, make: Callable[[], RowDrafter]) -> None:
@@ -116,7 +179,7 @@ class PerRow:
         self.drafters.clear()
 
 
-class ChainDrafter:
+class ChainDrafter(Drafter):
     """A draft model's chain, then prompt lookup: the tokens that followed the chain's end earlier in the text.
 
     ``lookup`` (a ``PerRow`` of ``PromptLookupDrafter``) offers its continuation of each row's committed tokens
@@ -131,8 +194,7 @@ class ChainDrafter:
 
     def attach(self, cache) -> None:
         for part in self.parts:
-            if hasattr(part, "attach"):
-                part.attach(cache)
+            part.attach(cache)
 
     def prefill(self, views: Sequence[RowView]) -> None:
         for part in self.parts:

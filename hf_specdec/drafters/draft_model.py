@@ -27,6 +27,7 @@ one batched draft forward per depth over its frontier, every node continuing its
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -38,6 +39,8 @@ from ..layout import BatchInputs, RoundLayout, stack_layouts
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 from ..verify import greedy_choice
 from . import draft_tree
+from .base import ChainDrafter, DraftCall, Drafter, PerRow
+from .prompt_lookup import PromptLookupDrafter
 
 
 class SubVocabHead:
@@ -74,7 +77,7 @@ class SubVocabHead:
         return logits
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts a chain per row with a small causal LM that keeps its own KV cache (a ``cache.KVStore``) across
     rounds; all rows draft in one batched forward per step (module docstring).
 
@@ -338,6 +341,33 @@ class DraftModelDrafter:
         self.rows = []
         self._written = []
         self._node_slots = None
+
+
+def chained(drafter_class: type[DraftModelDrafter], model, call: DraftCall) -> ChainDrafter:
+    """A ``drafter_class`` over ``model`` for ``call``, followed by prompt lookup where the call asks for it."""
+    drafter = drafter_class(model, call.logits_processor, do_sample=call.do_sample, vocab_size=call.vocab_size,
+                            draft_vocab_size=call.draft_vocab_size, special_token_ids=call.special_token_ids,
+                            pad_token_id=call.pad_token_id, model_inputs=call.model_inputs)
+    return ChainDrafter(drafter, PerRow(PromptLookupDrafter) if call.history_lookup else None)
+
+
+@dataclass(frozen=True)
+class DraftModelSource:
+    """The ``DraftSource`` of a draft model: a causal LM sharing the target's tokenizer, with a KV cache of its own.
+    The memory keeps its estimates by the model object (weakly); the profile prices it in its format."""
+
+    model: torch.nn.Module
+
+    @property
+    def memory_key(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def profile_draft(self) -> torch.nn.Module:
+        return self.model
+
+    def drafter(self, call: DraftCall) -> ChainDrafter:
+        return chained(DraftModelDrafter, self.model, call)
 
 
 def _fed(tokens: torch.Tensor) -> RoundLayout:

@@ -27,7 +27,9 @@ the prompt into a cache of its own as any draft model does.
 
 ``EarlyExit(N)`` names this draft as a value: ``SpeculativeMemory`` keeps its estimates by it (a stable key across
 calls, where a fresh view per call would not be), and ``speculative_generate(draft_model=EarlyExit(N))`` /
-``generate(..., assistant_early_exit=N)`` after ``hf_specdec.enable`` run with it.
+``generate(..., assistant_early_exit=N)`` after ``hf_specdec.enable`` run with it. Its ``DraftSource`` for a call
+is ``EarlyExitSource``: N decided, the view built, the key ``EarlyExit(N)``, nothing for the hardware profile to
+price beyond the target's t(n).
 
 ``EarlyExit("auto")`` (``assistant_early_exit="auto"``) picks N when a call starts (``choose_layers``), among a few
 depths (``exit_candidates``: 1/8, 1/4, 3/8 and 1/2 of the layers), by the planner's own price: for each, the round
@@ -61,7 +63,8 @@ from .. import cache as kv
 from ..costmodel import ForwardCost, ForwardPrice, best_round, prefix_gains
 from ..round import Offer, RoundOutcome, RowView, SourceKind, prior_acceptance
 from ..support import Unsupported
-from .draft_model import DraftModelDrafter
+from .base import DraftCall
+from .draft_model import DraftModelDrafter, chained
 
 AUTO = "auto"
 AUTO_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2)  # the depths "auto" chooses among, as shares of the layers
@@ -102,6 +105,15 @@ class EarlyExit:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
             raise ValueError(f"assistant_early_exit={self.layers!r} is invalid: use an int >= 1, the number of the "
                              "target's decoder layers the draft runs, or 'auto'.")
+
+    @classmethod
+    def of(cls, layers: "int | Literal['auto'] | EarlyExit") -> "EarlyExit":
+        """``assistant_early_exit=`` as a draft: N, "auto", or an ``EarlyExit`` already.
+
+        >>> EarlyExit.of(2) == EarlyExit.of(EarlyExit(2)) == EarlyExit(2)
+        True
+        """
+        return layers if isinstance(layers, EarlyExit) else cls(layers)
 
     def resolved(self, model, memory=None) -> "EarlyExit":
         """This draft with N decided: itself, or for "auto" the depth ``choose_layers`` prices best."""
@@ -240,6 +252,35 @@ class EarlyExitDrafter(DraftModelDrafter):
     def release(self) -> None:
         super().release()
         self.target_cache = None
+
+
+@dataclass(frozen=True)
+class EarlyExitSource:
+    """The ``DraftSource`` of an early-exit draft for one call: ``draft`` with N decided (the memory's key, a value:
+    the same estimates across calls), ``model`` its view over the target (``early_exit_model``), whose drafter
+    borrows the target's cache (``EarlyExitDrafter.attach``). The hardware profile holds no draft entry for it: a
+    memory's first call is seeded with the target's t(n) alone."""
+
+    draft: EarlyExit
+    model: torch.nn.Module
+
+    @classmethod
+    def of(cls, draft: EarlyExit, target, memory=None) -> "EarlyExitSource":
+        """``draft`` over ``target`` for a call: "auto" decided from ``memory`` (``choose_layers``), the view
+        built (refusing a depth out of range or a model that cannot be cut)."""
+        resolved = draft.resolved(target, memory)
+        return cls(resolved, resolved.view(target))
+
+    @property
+    def memory_key(self) -> EarlyExit:
+        return self.draft
+
+    @property
+    def profile_draft(self) -> None:
+        return None
+
+    def drafter(self, call: DraftCall):
+        return chained(EarlyExitDrafter, self.model, call)
 
 
 # -- "auto": the depth the planner prices best ------------------------------------------------------------------------

@@ -17,19 +17,23 @@ What differs from the published algorithm (LADE):
 - the round is sized by its expected rate, not fixed W, N, G (``policy.Planner``);
 - the window's KV is not kept, the accepted path's KV is (no recomputation);
 - what one call learns is kept for the next (``memory.LookaheadMemory``).
+
+A call's ``DraftSource`` is ``LookaheadSource``: one ``LookaheadDrafter`` per row over the call's memory.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..config import LookaheadConfig
 from ..layout import advance_window, harvest_ngrams, merge_candidates, window_inputs
 from ..memory import LookaheadMemory
+from ..ngram_pool import HistoryIndex, NgramPool
 from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView, SourceKind
-from .ngram_pool import HistoryIndex, NgramPool
+from .base import DraftCall, PerRow
 
 class LookaheadDrafter:
     """Offers lookahead candidates and lays out the window (see module docstring); a ``RowDrafter`` (one row).
@@ -182,3 +186,24 @@ class LookaheadDrafter:
                 break
             chained = chained + following[0]
         return chained[:depth]
+
+
+@dataclass(frozen=True)
+class LookaheadSource:
+    """The ``DraftSource`` of lookahead decoding: the target's own window, pool and ``memory`` (read, and extended
+    with each row's text when ``remember``); ``trees``: the target reads a trie in one forward (else chains only,
+    ``LookaheadDrafter``). No draft model: nothing for a speculative memory to key, the hardware profile prices the
+    target alone."""
+
+    config: LookaheadConfig
+    memory: LookaheadMemory
+    remember: bool
+    trees: bool = True
+
+    memory_key = None
+    profile_draft = None
+    model = None
+
+    def drafter(self, call: DraftCall) -> PerRow:
+        return PerRow(lambda: LookaheadDrafter(call.target, self.config, self.memory, remember=self.remember,
+                                               trees=self.trees))

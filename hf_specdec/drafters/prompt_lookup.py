@@ -21,8 +21,8 @@ import dataclasses
 import time
 
 from ..layout import merge_candidates
+from ..ngram_pool import HistoryIndex
 from ..round import Candidate, Offer, Proposal, RoundOutcome, RoundPlan, RowView, SourceKind
-from .ngram_pool import HistoryIndex
 
 SOURCE = (SourceKind.LOOKUP, 0)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-
+from ..drafters.base import DraftSource
+from ..drafters.source import draft_source
 from ..memory import EstimatesFrom, LookaheadMemory, Seeding, SpeculativeMemory
 from .formats import model_format
 from .profile import HardwareProfile
@@ -47,9 +47,9 @@ def read_share(profile: HardwareProfile, target_format: str, reads: dict[int, fl
 def profile_seeding(target, draft=None, *, profile: HardwareProfile | None = None, cache_dir=None) -> Seeding:
     """What ``profile`` (or, without one, the profile cache) holds for ``target`` in its loaded format and a
     ``draft`` model in its format, on the target's device: a seeding of kind ``HARDWARE_PROFILE`` to write into a
-    memory, or of kind ``PRIORS`` with the reason it has none. ``draft`` None (or a ``Drafter`` that is no
-    model): the target's t(n) alone. Never measures, never raises."""
-    draft = draft if _is_model(draft) else None
+    memory, or of kind ``PRIORS`` with the reason it has none. ``draft`` None (a draft source's ``profile_draft``
+    for a draft that is no model of its own: early exit, a ``Drafter`` object): the target's t(n) alone. Never
+    measures, never raises."""
     given = profile is not None
     source = GIVEN if given else CACHED
     try:
@@ -71,12 +71,6 @@ def profile_seeding(target, draft=None, *, profile: HardwareProfile | None = Non
                    draft_read_share=share)
 
 
-def _is_model(draft) -> bool:
-    """Is ``draft`` a draft model the profile can hold (a module with a config), not a ``Drafter`` object (one
-    that proposes its own guesses: the profile holds nothing for it)?"""
-    return isinstance(draft, torch.nn.Module) and hasattr(draft, "config") and not hasattr(draft, "propose")
-
-
 def _not_held(target_format: str, draft_format: str | None, given: bool) -> str:
     if given:
         what = (f"neither the target in {target_format} nor the draft in {draft_format}" if draft_format
@@ -88,14 +82,23 @@ def _not_held(target_format: str, draft_format: str | None, given: bool) -> str:
 
 def seed_speculative(memory: SpeculativeMemory, target, draft, *, profile: HardwareProfile | None = None,
                      cache_dir=None) -> Seeding:
-    """Seed ``memory`` for ``draft`` from ``profile`` or the profile cache while it holds no cost for this draft
-    (a memory that does, from earlier calls or an earlier seeding, is left as it is). A profile that holds
-    nothing for them leaves the memory on priors and records why (the call's stats show it). Never raises."""
-    if memory.holds(draft):
-        return _left(memory.origin(draft), memory.estimates(draft).forward.table(), "the speculative memory",
+    """Seed ``memory`` for ``draft`` (a draft model, ``EarlyExit(N)`` or a ``Drafter`` object, as
+    ``draft_model=`` takes it) from ``profile`` or the profile cache while it holds no cost for this draft (a
+    memory that does, from earlier calls or an earlier seeding, is left as it is). A profile that holds nothing
+    for them leaves the memory on priors and records why (the call's stats show it)."""
+    return _seed_source(memory, target, draft_source(draft, target, memory), profile=profile, cache_dir=cache_dir)
+
+
+def _seed_source(memory: SpeculativeMemory, target, source: DraftSource, *, profile: HardwareProfile | None = None,
+                 cache_dir=None) -> Seeding:
+    """``seed_speculative`` for a draft source: its estimates under ``source.memory_key``, the profile's costs of
+    ``source.profile_draft``."""
+    key = source.memory_key
+    if memory.holds(key):
+        return _left(memory.origin(key), memory.estimates(key).forward.table(), "the speculative memory",
                      " for this draft")
-    seeding = profile_seeding(target, draft, profile=profile, cache_dir=cache_dir)
-    memory.seed(draft, seeding.forward_seconds, seeding.draft_steps, draft_read_share=seeding.draft_read_share,
+    seeding = profile_seeding(target, source.profile_draft, profile=profile, cache_dir=cache_dir)
+    memory.seed(key, seeding.forward_seconds, seeding.draft_steps, draft_read_share=seeding.draft_read_share,
                 origin=seeding)
     return seeding
 
@@ -117,16 +120,16 @@ def _left(origin: Seeding | None, forward: dict[int, float], memory: str, what: 
                    reason=f"{memory} already holds estimates{what} (left as they are)")
 
 
-def call_start_speculative(memory: SpeculativeMemory | None, target, draft) -> Seeding:
+def call_start_speculative(memory: SpeculativeMemory | None, target, source: DraftSource) -> Seeding:
     """Where a speculative call starting now finds its estimates: ``memory`` seeded from the cached profile if
-    this is its first call with ``draft`` and nothing seeded it before (tried once: a memory the profile holds
-    nothing for stays on priors); None, a call that keeps nothing, starts from priors."""
+    this is its first call with the draft of ``source`` and nothing seeded it before (tried once: a memory the
+    profile holds nothing for stays on priors); None, a call that keeps nothing, starts from priors."""
     if memory is None:
         return Seeding(EstimatesFrom.PRIORS, reason="no speculative memory (speculative_memory=None): a call that "
                                                     "starts from priors and keeps nothing")
-    if memory.origin(draft) is None:
-        seed_speculative(memory, target, draft)
-    return memory.start_call(draft)
+    if memory.origin(source.memory_key) is None:
+        _seed_source(memory, target, source)
+    return memory.start_call(source.memory_key)
 
 
 def call_start_lookahead(memory: LookaheadMemory | None, target) -> Seeding:
