@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Mapping, Protocol
 
 import torch
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from transformers.cache_utils import (CacheLayerMixin, DummyLayer, DynamicIndexedLayer, DynamicLayer,
                                       DynamicSlidingWindowLayer)
 from transformers.cache_utils import LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
@@ -251,6 +252,204 @@ def _holds_indexer(layer) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Static caches: preallocated buffers, written in place
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class StaticAttention:
+    """A ``StaticLayer``: keys and values in buffers of a fixed number of columns ([B, H, max_cache_len, D]),
+    allocated at the first forward. A forward writes its columns at the layer's write position
+    (``cumulative_length``, a tensor changed in place) and attends over the whole buffer, the columns past the
+    written ones masked. A crop moves the write position back (the columns after it are overwritten later);
+    gathering a path and compacting copy within the same buffers, so their tensors stay the same ones (a compiled
+    forward holds their addresses). Forwards write into its tensors, so an early-exit view cannot share them.
+
+    >>> from transformers import StaticCache
+    >>> from hf_specdec.models.tiny import tiny_model
+    >>> layer = StaticCache(config=tiny_model("llama").config, max_cache_len=8).layers[0]
+    >>> _ = layer.update(torch.arange(6.0).reshape(1, 1, 6, 1), torch.zeros(1, 1, 6, 1))
+    >>> buffer = layer.keys
+    >>> STATIC.gather(layer, 3, torch.tensor([[0, 2]])); STATIC.crop(layer, 5, True)  # kept 3 and 5 of 3..5
+    >>> layer.keys.flatten().tolist(), int(layer.get_seq_length()), layer.keys is buffer
+    ([0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 0.0, 0.0], 5, True)
+    """
+
+    holds_holes = True
+    lendable = False
+    branches = True
+    rows_apart = None
+
+    def crop(self, layer, length: int, window: bool) -> None:
+        if layer.is_initialized and int(layer.get_seq_length()) > length:
+            self.place(layer, length)
+
+    def settle(self, layer) -> None:
+        """Nothing to trim: the buffers keep their width."""
+
+    def gather(self, layer, start: int, index: torch.LongTensor) -> None:
+        self._copy(layer, start + index, start)
+
+    def compact(self, layer, index: torch.LongTensor) -> None:
+        self._copy(layer, index, 0)
+        self.place(layer, int(index.shape[1]))
+
+    @staticmethod
+    def _copy(layer, source: torch.LongTensor, start: int) -> None:
+        """Per row r, the columns ``source[r]`` ([B, m]) copied to ``start..start+m-1`` of the same buffers."""
+        rows, m = source.shape
+        for states in (layer.keys, layer.values):
+            where = source.to(states.device)[:, None, :, None].expand(rows, states.shape[1], m, states.shape[3])
+            states[:, :, start: start + m].copy_(states.gather(2, where))
+
+    def select_rows(self, layer, index: torch.LongTensor) -> None:
+        index = index.to(layer.keys.device)
+        layer.keys, layer.values = layer.keys[index], layer.values[index]  # a buffer of the rows left
+        layer.batch_size = int(index.shape[0])
+
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> KV:
+        kept = kept.to(layer.keys.device)
+        return layer.keys[row: row + 1, :, kept], layer.values[row: row + 1, :, kept]
+
+    def lend(self, mine, theirs) -> None:
+        raise AssertionError("a static layer is never lent: forwards write into its buffers in place")
+
+    def place(self, layer, columns: int) -> None:
+        """Set the write position: the layer holds ``columns`` columns, and its next forward writes after them."""
+        layer.cumulative_length.fill_(columns)
+
+    def refusal(self, layer) -> str | None:
+        """Why the store cannot speculate on this layer (None: it can)."""
+        return None
+
+
+class StaticSlidingWindow(StaticAttention):
+    """A ``StaticSlidingWindowLayer`` no wider than its window (``max_cache_len <= sliding_window``, transformers'
+    ``is_croppable``): it never drops a column, so its window hides none that a forward of the call reads, and it
+    is a ``StaticAttention`` with a second count (``cumulative_length_int``). A wider one keeps only its window's
+    last columns and rolls them, which no crop undoes (``refusal``). As in ``SlidingWindow``, the model masks it by
+    column: holes are gathered at once, and the rows of a batch cannot keep different numbers of tokens."""
+
+    holds_holes = False
+    rows_apart = "it has sliding-window attention layers, whose window is kept per cache column"
+
+    def compact(self, layer, index: torch.LongTensor) -> None:
+        raise AssertionError("a sliding-window layer is never compacted: its window counts columns")
+
+    def place(self, layer, columns: int) -> None:
+        super().place(layer, columns)
+        layer.cumulative_length_int = columns
+
+    def refusal(self, layer) -> str | None:
+        if layer.is_croppable:
+            return None
+        return (f"its sliding-window layers keep only their window's last {layer.max_cache_len} columns of a longer "
+                "static cache and roll them, so a rejected guess could not be rolled back")
+
+
+STATIC = StaticAttention()
+STATIC_SLIDING = StaticSlidingWindow()
+BUFFERED: Mapping[type, StaticAttention] = {StaticLayer: STATIC, StaticSlidingWindowLayer: STATIC_SLIDING}
+
+
+def _widened(states: torch.Tensor, width: int) -> torch.Tensor:
+    """``states`` [B, H, S, D] in a buffer of ``width`` >= S columns, zeros after them."""
+    grown = states.new_zeros(states.shape[:2] + (width,) + states.shape[3:])
+    grown[:, :, : states.shape[2]] = states
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(grown)  # as the layer's own allocation marks its buffers
+    return grown
+
+
+def _settled(held: torch.Tensor, given: torch.Tensor | None, columns: int, width: int) -> torch.Tensor:
+    """The first ``columns`` columns of ``held`` in a buffer of ``width`` columns, zeros after them: ``given`` (the
+    cache's own buffer) where its shape fits, else a new one."""
+    shape = held.shape[:2] + (width,) + held.shape[3:]
+    fits = given is not None and given.shape == shape and given.dtype == held.dtype and given.device == held.device
+    out = given if fits else held.new_zeros(shape)
+    if out is not held:
+        out[:, :, :columns] = held[:, :, :columns]
+    out[:, :, columns:] = 0
+    return out
+
+
+class Buffers:
+    """The preallocated buffers of a static cache's layers, as one store uses them.
+
+    Every forward's keys span the buffers' whole width (``width``), so the store's masks span it too, the columns
+    past the written ones masked, and a round's forward has the same shapes round after round. A forward that needs
+    more columns than they have (a trie's rejected siblings kept as holes, the rows of a batch that advance apart)
+    grows them first, to the next multiple of ``STEP`` columns: one copy, rarely. ``release`` puts back the width
+    the cache came with (which holds the call's columns: ``check_room``), in the cache's own tensors where it had
+    them (a cache passed in), zeros past its columns, as plain ``generate`` returns it.
+
+    >>> from transformers import StaticCache
+    >>> from hf_specdec.models.tiny import tiny_model
+    >>> buffers = Buffers.of(StaticCache(config=tiny_model("llama").config, max_cache_len=20).layers)
+    >>> buffers.reserve(16); buffers.width  # it has room
+    20
+    >>> buffers.reserve(21); buffers.width  # grown by a step
+    64
+    >>> buffers.release(5); buffers.width
+    20
+    """
+
+    STEP = 64
+
+    def __init__(self, layers) -> None:
+        self.layers = [layer for layer in layers if type(layer) in BUFFERED]
+        self._given = [(layer.max_cache_len, layer.keys, layer.values) for layer in self.layers]
+
+    @classmethod
+    def of(cls, layers) -> "Buffers | None":
+        """The buffers of ``layers`` (a cache's), or None where none of them has one (a dynamic cache)."""
+        buffers = cls(layers)
+        return buffers if buffers.layers else None
+
+    @property
+    def width(self) -> int:
+        """Columns every buffer has (a static cache's layers are all as wide: a narrower window is refused)."""
+        return max(layer.max_cache_len for layer in self.layers)
+
+    @property
+    def own_width(self) -> int:
+        """Columns the cache came with (what plain ``generate`` hands back, and its attention weights span)."""
+        return min(given for given, _, _ in self._given)
+
+    def refusal(self) -> str | None:
+        """Why the store cannot speculate on these buffers (None: it can)."""
+        return next((reason for reason in (BUFFERED[type(layer)].refusal(layer) for layer in self.layers)
+                     if reason is not None), None)
+
+    def check_room(self, columns: int) -> str | None:
+        """Why a call that ends holding ``columns`` columns cannot use these buffers (None: they hold them)."""
+        if columns <= self.own_width:
+            return None
+        return (f"the static cache holds {self.own_width} columns and the call needs {columns} (the prompt and every new "
+                "token but the last)")
+
+    def reserve(self, columns: int) -> None:
+        """Grow every buffer to hold ``columns`` columns, if it does not yet (to a multiple of ``STEP``)."""
+        if columns <= self.width:
+            return
+        width = -(-columns // self.STEP) * self.STEP
+        for layer in self.layers:
+            if layer.is_initialized:  # (one that is not allocates the new width at its first forward)
+                layer.keys, layer.values = _widened(layer.keys, width), _widened(layer.values, width)
+            layer.max_cache_len = width
+
+    def release(self, columns: int) -> None:
+        """Back to the width the cache came with, holding its first ``columns`` columns (``KVStore.finish``)."""
+        for layer, (width, keys, values) in zip(self.layers, self._given):
+            assert columns <= width, "release: the call's columns fit the cache it came with (check_room)"
+            layer.max_cache_len = width
+            if layer.is_initialized:
+                layer.keys = _settled(layer.keys, keys, columns, width)
+                layer.values = _settled(layer.values, values, columns, width)
+                layer.batch_size = int(layer.keys.shape[0])
+                BUFFERED[type(layer)].place(layer, columns)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Recurrent and hybrid layers: states carried through the inputs, restored per row
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -457,6 +656,7 @@ def attends(layers) -> bool:
 BACKENDS: Mapping[type, LayerBackend] = {
     DynamicLayer: FullAttention(),
     DynamicSlidingWindowLayer: SlidingWindow(),
+    **BUFFERED,  # static caches
     DummyLayer: Stateless(),
     DynamicIndexedLayer: Indexed(),
     **STATEFUL,  # recurrent and hybrid layers
