@@ -25,7 +25,9 @@ leaves it as plain ``generate`` leaves it (``finish``). Operations:
                                written since the last keep, and forgets the rest of it;
 ``discard()``                  forget everything written since the last keep (also a failed forward's half-written
                                layers after an out-of-memory);
-``compact()``                  gather each row's kept columns together and drop the columns no row keeps;
+``compact()``                  gather each row's kept columns together and drop the columns no row keeps (by
+                               itself once holes pass ``COMPACT_FRACTION``, or, ``compacts_on_keep=False``, as a
+                               step of its owner's, when ``compaction_due``, timed apart from the forward);
 ``select_rows(rows)``          drop the rows that finished;
 ``lend(model)``                a store for an early-exit view of the model (its first layers) starting from this
                                store's kept keys and values in those layers, without copying them;
@@ -56,21 +58,27 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache
+from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache
 
-from .backends import backend_for, holds_states
+from .backends import Buffers, attends, backend_for, holds_states, keep_rows, prepare, stateful
+from .encoder_decoder import argument, reads_encoder
+from .encoder_decoder import recorded as decoder_recorded
 from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
 from .layout import BatchInputs, to_model_mask
+from .support import Unsupported
 
 
-def new_cache(model) -> DynamicCache:
-    """A DynamicCache for ``model``; its sliding-window layers record their past so that they can roll back."""
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))  # as generate() makes it
+def new_cache(model) -> DynamicCache | EncoderDecoderCache:
+    """A DynamicCache for ``model``; its sliding-window layers record their past so that they can roll back. A
+    model that reads encoder states (an encoder-decoder, or WhisperForCausalLM) gets an ``EncoderDecoderCache`` of
+    two, as generate() makes it: the decoder's self-attention and its cross-attention."""
+    config = model.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=config)  # as generate() makes it
     for layer in cache.layers:
         if hasattr(layer, "activate_past_recording"):
             layer.activate_past_recording()
-    return cache
+    return EncoderDecoderCache(cache, DynamicCache(config=config)) if reads_encoder(model) else cache
 
 
 def split_cache(cache: Cache) -> tuple[Cache, tuple[Cache, ...]]:
@@ -81,26 +89,39 @@ def split_cache(cache: Cache) -> tuple[Cache, tuple[Cache, ...]]:
     return cache, ()
 
 
-def check_cache_supported(cache: Cache | None) -> None:
-    """Refuse caches that cannot roll back. ``None`` (a fresh cache will be made) is fine, and so is a
-    ``DynamicCache`` that already holds the start of the prompt (a cache passed in: decoding continues from it)."""
+def check_cache_supported(cache: Cache | None, columns: int | None = None) -> None:
+    """Refuse caches that cannot roll back. ``None`` (a fresh cache will be made) is fine, and so are a
+    ``DynamicCache`` and a ``StaticCache`` (``cache_implementation="static"``) that already hold the start of the
+    prompt (a cache passed in: decoding continues from it; a static one in its own buffers, ``backends.Buffers``).
+    ``columns``: those the call ends holding (the prompt and every new token but the last), which a static cache
+    must have room for, as plain ``generate`` needs (it fails part-way through otherwise)."""
     if cache is None:
         return
     if isinstance(cache, EncoderDecoderCache) and all(type(part) is DynamicCache for part in split_cache(cache)[1]):
         cache = cache.self_attention_cache
-    if type(cache) is not DynamicCache:
-        raise ValueError(
-            f"hf_specdec decodes with a DynamicCache, which it rolls back and compacts after each round; got "
-            f"{type(cache).__name__}. Static, offloaded and quantized caches are not supported yet (a StaticCache "
-            "could roll back by moving its write position, but compacting a verified trie into its fixed buffers "
-            "and masking them is not implemented). Pass cache=DynamicCache(config=model.config) (filled by an "
-            "earlier forward or call, if you continue from one) or no cache, and no "
-            "cache_implementation='static'/'quantized'/'offloaded_static'; or use plain generate() with that cache."
+    if type(cache) not in (DynamicCache, StaticCache) or (type(cache) is StaticCache and cache.offloading):
+        offloaded = " (offloaded)" if getattr(cache, "offloading", False) else ""
+        raise Unsupported(
+            f"hf_specdec decodes with a DynamicCache or a StaticCache, which it rolls back after each round; got "
+            f"{type(cache).__name__}{offloaded}. Offloaded static and quantized caches, and an encoder-decoder's "
+            "static cache, are not supported. Pass cache=DynamicCache(config=model.config) (filled by an "
+            "earlier forward or call, if you continue from one), a StaticCache, or no cache, and no "
+            "cache_implementation='quantized'/'offloaded_static'; or use plain generate() with that cache."
         )
     if cache.layers and not all(backend_for(layer) is not None for layer in cache.layers):
         raise ValueError(
             "This model's cache has layers that cannot roll back (recurrent or linear attention), so speculative "
             "decoding cannot undo rejected tokens. Use plain generate() for this model."
+        )
+    buffers = Buffers.of(cache.layers)
+    reason = None if buffers is None else buffers.refusal()
+    if reason is None and buffers is not None and columns is not None:
+        reason = buffers.check_room(columns)
+    if reason is not None:
+        raise Unsupported(
+            f"hf_specdec cannot decode with this StaticCache: {reason}. Pass a StaticCache whose max_cache_len holds "
+            "the call (and, in a model with sliding-window layers, is at most their window), or use the default "
+            "dynamic cache (no cache_implementation, or cache=DynamicCache(config=model.config)), or plain generate()."
         )
 
 
@@ -122,7 +143,7 @@ def _forward_params(model_class: type) -> frozenset[str]:
 
 
 def accepts_position_ids(model) -> bool:
-    return "position_ids" in _forward_params(type(model))
+    return argument(model, "position_ids") in _forward_params(type(model))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,6 +184,9 @@ class ForwardResult:
     slots: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    cross_attentions: tuple[torch.Tensor, ...] | None = None  # per layer [B, heads, n, S]: a model reading encoder
+    # states (``encoder_decoder.recorded``), where attentions are asked
+    output: Any = None  # the model's own output object, where asked (``call_model(keep_output=True)``)
 
 
 LogitsAt = int | torch.Tensor | None  # the last n inputs, or [m] input indices, or None: every input
@@ -193,6 +217,8 @@ def call_model(
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     record: Recording = NOTHING,
     model_inputs: Mapping[str, Any] = NO_KWARGS,  # the call's other inputs for this forward (``inputs.py``)
+    rolls_back: bool = True,  # the forward may be rolled back (False: a prompt read, kept whole)
+    keep_output: bool = False,  # also return the model's output object (``ForwardResult.output``)
 ) -> ForwardResult:
     """One forward over ``input_ids`` appended to ``cache`` (the cache grows by n columns in every layer).
 
@@ -203,40 +229,56 @@ def call_model(
     every input's hidden states and attention weights (``ForwardResult``), the model's flags set as plain
     ``generate`` sets them; with a ``head``, those of the base model. ``model_inputs`` go to the model as they
     are (``inputs.ModelInputs``: what plain ``generate`` gives this forward besides tokens, positions and mask).
+    A recurrent layer records the state before each input of a forward that ``rolls_back`` (``backends.prepare``).
     """
+    prepare(split_cache(cache)[0].layers, input_ids.shape[1] if rolls_back else 0)
     if head is not None:
         model = getattr(model, model.base_model_prefix)
     params = _forward_params(type(model))
     kwargs = {("cache" if "cache" in params else "past_key_values"): cache, "use_cache": True}
     if head is None and logits_at is not None and "logits_to_keep" in params:
         kwargs["logits_to_keep"] = logits_at.to(input_ids.device) if isinstance(logits_at, torch.Tensor) else logits_at
-    if position_ids is not None and "position_ids" in params:
-        kwargs["position_ids"] = position_ids
+    if position_ids is not None and argument(model, "position_ids") in params:  # an encoder-decoder's: decoder_*
+        kwargs[argument(model, "position_ids")] = position_ids
     if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
+        kwargs[argument(model, "attention_mask")] = attention_mask
     if (hidden and head is None) or record.hidden_states:
         kwargs["output_hidden_states"] = True
     if record.attentions:
         kwargs["output_attentions"] = True
     if model_inputs:  # token types, images at a prefill, a prompt's embeddings (input_ids None)
         kwargs.update(model_inputs)
-    kwargs.setdefault("input_ids", input_ids)
+    if model_inputs.get("input_ids", input_ids) is not None:  # (None: the model reads a prompt's embeddings)
+        kwargs[argument(model, "input_ids")] = input_ids
     output = model(**kwargs)
-    recorded = dict(hidden_states=tuple(output.hidden_states) if record.hidden_states else None,
-                    attentions=tuple(output.attentions or ()) if record.attentions else None)
+    recorded = decoder_recorded(model, output, record.hidden_states, record.attentions)  # (an encoder-decoder's
+    # decoder_*, and its cross-attentions)
     if head is not None:
         states = _select(output.last_hidden_state, logits_at)  # [B, m, H]
-        return ForwardResult(head(states).float(), states if hidden else None, **recorded)
+        return ForwardResult(head(states).float(), states if hidden else None, **recorded,
+                             output=output if keep_output else None)
     logits = output.logits
     if "logits_to_keep" not in params:  # the model computed every position
         logits = _select(logits, logits_at)
     states = _select(output.hidden_states[-1], logits_at) if hidden else None
-    return ForwardResult(logits.float(), states, **recorded)
+    return ForwardResult(logits.float(), states, **recorded, output=output if keep_output else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The slot-addressed store
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _widen(mask: torch.Tensor, span: int) -> torch.Tensor:
+    """``mask`` [..., c] with ``span - c`` masked columns (zeros, False) after its own (a static buffer's columns past
+    the written ones).
+
+    >>> _widen(torch.tensor([[True, False]]), 4).tolist()
+    [[True, False, False, False]]
+    """
+    if span <= mask.shape[-1]:
+        return mask
+    return torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (span - mask.shape[-1],))], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -291,16 +333,20 @@ class KVStore:
     >>> store.keep([[3, 5]])  # 8 -> 10: slot 4 becomes a hole, masked from now on
     >>> store.lengths.tolist(), store.valid.tolist(), store.gathers
     ([5], [[True, True, True, True, False, True]], 0)
-    >>> store.compact(); store.dense, store.width, store.gathers
-    (True, 5, 1)
+    >>> store.compaction_due(), store.compact(), store.dense, store.width, store.gathers  # 1 hole of 6 cells
+    (False, 1, True, 5, 1)
     """
 
     COMPACT_FRACTION = 0.5  # compact when more than this fraction of the kept columns are holes
     inputs: ModelInputs = NO_INPUTS  # the call's other model inputs, from ``prefill`` on (``inputs.py``)
 
     def __init__(self, model, attention: str = "sdpa", head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 cache: DynamicCache | None = None, returns_cache: bool = False, keeps_rows: bool = False):
+                 cache: DynamicCache | None = None, returns_cache: bool = False, keeps_rows: bool = False,
+                 compacts_on_keep: bool = True):
         self.model, self.attention = model, attention
+        # False: the owner compacts (``compaction_due``, ``compact``) as a step of its own, timed apart from the
+        # forward, so that a forward's measured cost is the forward's (the decoding loop's target store)
+        self.compacts_on_keep = compacts_on_keep
         self.head = head  # optional: hidden [B, n, H] -> logits, a narrowed output layer
         self.returns_cache = returns_cache  # ``finish`` will leave the cache as plain generate() leaves it
         self.keeps_rows = keeps_rows or returns_cache  # rows that leave are kept aside, for ``feed`` and ``finish``
@@ -310,12 +356,13 @@ class KVStore:
         # cross-attention cache: the encoder's keys, fixed for the call)
         self.speculated, self.fixed = split_cache(self.cache)
         self.layers = self.speculated.layers
+        self.buffers = Buffers.of(self.layers)  # a static cache's preallocated buffers (None: a dynamic cache)
         self._recording = [(layer, layer.record_past) for layer in self.layers if hasattr(layer, "record_past")]
         for layer, _ in self._recording:
             layer.activate_past_recording()
         self.valid: torch.Tensor | None = None
         self.lengths = torch.zeros(0, dtype=torch.long)
-        self.width = self.cache.get_seq_length()  # the columns a cache passed in holds: the prompt's first ones
+        self.width = int(self.cache.get_seq_length())  # the columns a cache passed in holds: the prompt's first ones
         # positions (module docstring): a row's next token sits at ``lengths + _offset``; ``_column_shift`` maps a
         # token's index among the row's kept tokens to its column in plain generate's layout (``_window_columns``)
         self._offset = torch.zeros(0, dtype=torch.long)
@@ -325,6 +372,8 @@ class KVStore:
         self._row_ids = torch.zeros(0, dtype=torch.long)  # the original row of each row still in the store
         self._parked: dict[int, _Parked] = {}  # rows that left, kept for ``feed`` and ``finish`` (keeps_rows)
         self._fed: dict[int, _Parked] = {}  # rows that stopped early after ``feed``: their padding read
+        # the fixed caches' keys and values of every row, kept from the first row selection for ``finish`` (keeps_rows)
+        self._fixed_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._positions = torch.zeros(0, 0, dtype=torch.long)
         self._sees = torch.zeros(0, 0, 0, dtype=torch.bool)
         self.gathers = 0  # how many times columns were gathered (``compact``, or ``keep`` where holes cannot stay)
@@ -376,6 +425,14 @@ class KVStore:
         """[B, width] the kept columns each row attends to (all of them when ``valid`` is None)."""
         return self.valid if self.valid is not None else torch.ones(self.num_rows, self.width, dtype=torch.bool)
 
+    def _span(self, columns: int) -> int:
+        """The key columns a forward that ends holding ``columns`` columns attends over: those, or a static cache's
+        buffer width (``backends.Buffers``), grown first where they do not fit."""
+        if self.buffers is None:
+            return columns
+        self.buffers.reserve(columns)
+        return self.buffers.width
+
     def _reset_written(self) -> None:
         self._positions = torch.zeros(self.num_rows, 0, dtype=torch.long)
         self._sees = torch.zeros(self.num_rows, 0, 0, dtype=torch.bool)
@@ -408,11 +465,21 @@ class KVStore:
         self._reset_written()
         if length == 0:
             return ForwardResult(torch.zeros(rows, 0, 0))
-        attention = None if valid is None else valid.long().to(self.device)
+        span = self._span(cached + length)
+        attention = None if valid is None else _widen(valid, span).long().to(self.device)
         self.inputs = inputs
+        if stateful(self.layers) and (rows > 1 and self.keeps_rows or self.returns_cache and valid is not None):
+            raise Unsupported(
+                f"hf_specdec cannot return the cache or per-token outputs of {type(self.model).__name__} for this "
+                "input: its recurrent states cannot be cut back to a row's emitted tokens once kept, which a batch "
+                "whose rows stop apart (or a prompt with masked tokens, for the cache) would need. Call it one "
+                "prompt at a time, without return_dict_in_generate, or use plain generate()")
         result = call_model(self.model, input_ids.to(self.device), self.cache, logits_at=logits_at,
                             position_ids=inputs.prefill_positions(positions).to(self.device), attention_mask=attention,
-                            head=self.head, record=record, model_inputs=inputs.prefill_kwargs(length))
+                            head=self.head, record=record, model_inputs=inputs.prefill_kwargs(length),
+                            rolls_back=False, keep_output=inputs.awaiting is not None)
+        self.inputs = inputs.after_prefill(result.output)  # a step that reads the prompt forward's outputs
+        keep_rows(self.layers, cached, torch.full((rows,), length))  # recurrent layers: hold the prompt's states
         self.valid, self.width = valid, cached + length
         return result
 
@@ -440,18 +507,20 @@ class KVStore:
             base = self._positions.gather(1, written) + 1  # [B, 1 or n]
             sees_written = self._sees[torch.arange(rows)[:, None], written]  # [B, 1 or n, w]
         positions = base + batch.offsets  # [B, n]
+        span = self._span(past + n)  # the key columns the forward attends over
         sees_all = self.valid is None and bool(sees_written.all()) and batch.valid is None  # the dense case
         new_valid = batch.valid if batch.valid is not None else torch.ones(rows, n, dtype=torch.bool)
         if batch.inner is None:  # chains: the model's own causal mask, over a 2-D mask unless all is visible
             mask = None
-            if not sees_all:
+            if not sees_all and attends(self.layers):  # (a model of recurrent layers only, Mamba: no mask, as plain)
                 sees_past = torch.cat([self._kept_valid(), sees_written[:, 0]], dim=1)  # [B, past]
-                mask = torch.cat([sees_past, new_valid], dim=1).long().to(self.device)  # [B, past + n]
+                mask = _widen(torch.cat([sees_past, new_valid], dim=1), span).long().to(self.device)  # [B, span]
             inner = torch.ones(n, n, dtype=torch.bool).tril().expand(rows, n, n) & new_valid[:, None, :]
         else:  # trees: a 4-D mask, True = attend
             inner = batch.inner
             kept = self._kept_valid()[:, None, :].expand(rows, n, self.width)
-            full = torch.cat([kept, sees_written.expand(rows, n, self.num_written), inner], dim=2)  # [B, n, past + n]
+            full = _widen(torch.cat([kept, sees_written.expand(rows, n, self.num_written), inner], dim=2),
+                          span)  # [B, n, span]
             mask = self._layer_masks(full, positions, n)
         result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
                             position_ids=self.inputs.positions(positions).to(self.device), attention_mask=mask,
@@ -506,17 +575,30 @@ class KVStore:
                         padding: int, total: int) -> tuple[torch.Tensor, ...]:
         """``attention_rows`` over the given ``columns`` (of ``total``) that the query attends to."""
         rows = []
-        for layer, weights in zip(self.layers, attentions):
-            offset = total - weights.shape[-1]  # the columns before it are not among the layer's keys
+        for layer, window, weights in zip(self.layers, self._windows(), attentions):
+            offset = max(total - weights.shape[-1], 0)  # the columns before it are not among the layer's keys (a
+            # static buffer's keys are every column from the first, and more)
             inside = columns >= offset
             picked = weights[row: row + 1, :, query: query + 1]  # [1, heads, 1, K_layer]
             values = picked.new_zeros(picked.shape[:3] + (padding + columns.shape[0],))
             values[..., padding + inside.nonzero()[:, 0].to(values.device)] = \
                 picked[..., (columns[inside] - offset).to(picked.device)]
-            if getattr(layer, "is_sliding", False):
-                values = values[..., -min(values.shape[-1], layer.sliding_window):]
+            if self.buffers is not None:  # plain's weights span the static cache's whole width, zeros past the query
+                values = _widen(values, self.buffers.own_width)
+            elif window is not None:
+                values = values[..., -min(values.shape[-1], window):]
             rows.append(values)
         return tuple(rows)
+
+    def _windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to every column). A KV-shared layer, which keeps no cache
+        (Gemma 3n, Gemma 4), has the window of the layers of its type: it reads their keys under their mask."""
+        types = list(getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or ())
+        types += [None] * (len(self.layers) - len(types))
+        window = {kind: layer.sliding_window for kind, layer in zip(types, self.layers)
+                  if getattr(layer, "is_sliding", False)}
+        return [layer.sliding_window if getattr(layer, "is_sliding", False) else window.get(kind)
+                for layer, kind in zip(self.layers, types)]
 
     def _window_columns(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where plain ``generate``'s cache has each column: ([B, width + w + n] every cached and new column,
@@ -545,7 +627,7 @@ class KVStore:
         attention = getattr(self.model.config.get_text_config(decoder=True), "_attn_implementation", None)
         as_model = lambda mask: to_model_mask(mask[:, None].to(self.device), attention or self.attention,  # noqa: E731
                                               self.dtype)
-        if not sliding:
+        if not sliding or self.buffers is not None:  # a static cache's windows hold every column it has
             return as_model(full)
         past = full.shape[2] - n
         key_columns, query_columns = self._window_columns(positions)  # [B, past + n], [B, n]
@@ -566,7 +648,7 @@ class KVStore:
         if not layer_types:  # every layer slides (Mistral, Phi-3): one mask
             return masks["sliding_attention"]
         masks["full_attention"] = as_model(full)
-        return {kind: masks[kind] for kind in set(layer_types)}
+        return {kind: masks.get(kind, masks["full_attention"]) for kind in set(layer_types)}  # indexed: full
 
     def keep(self, kept: Sequence[Sequence[int]]) -> None:
         """Row r keeps the slots ``kept[r]`` of those written since the last keep: a path at its next positions,
@@ -597,6 +679,7 @@ class KVStore:
                     if holds_states(layer):
                         backend_for(layer).gather(layer, self.width, gather)
                 self.gathers += 1
+            keep_rows(self.layers, self.width, counts)  # recurrent layers: each row's states after its path
             self._rollback(self.width + m)
             if not self.returns_cache:  # hold only what the next forward needs (a sliding window's tail)
                 for layer in self.layers:
@@ -677,6 +760,8 @@ class KVStore:
         for layer in self.layers:
             if holds_states(layer):
                 backend_for(layer).select_rows(layer, index)
+        if self.keeps_rows and self._fixed_rows is None:  # (every row's, in the order prefill read them)
+            self._fixed_rows = [[(layer.keys, layer.values) for layer in fixed.layers] for fixed in self.fixed]
         for fixed in self.fixed:
             fixed.batch_select_indices(index)
         self.lengths, self._offset, self._row_ids = self.lengths[index], self._offset[index], self._row_ids[index]
@@ -698,19 +783,28 @@ class KVStore:
             if last < self.width:
                 self._rollback(last)
                 self.valid, self.width = self.valid[:, :last], last
-        if self.valid.numel() and float(self.valid.float().mean()) < 1 - self.COMPACT_FRACTION:
+        if self.compacts_on_keep and self.compaction_due():
             self.compact()
         if self.valid is not None and bool(self.valid.all()):
             self.valid = None
 
-    def compact(self) -> None:
+    def compaction_due(self) -> bool:
+        """Do holes (columns a row does not attend to: padding, rejected branches) pass ``COMPACT_FRACTION`` of
+        the kept columns, in a layout that can be compacted? A query: nothing changes."""
+        return (self.valid is not None and self.num_written == 0 and bool(self.valid.numel())
+                and not self.columns_are_positions() and self.holes_maskable()
+                and float(self.valid.float().mean()) < 1 - self.COMPACT_FRACTION)
+
+    def compact(self) -> int:
         """Move each row's kept columns to the end (right-aligned, as left padding is) and drop the columns no row
         sees: one gather per layer. Only between rounds (nothing written since the last keep); a model with
         sliding-window layers holds only their window, and one that counts positions by column
-        (``columns_are_positions``) needs every column where it is: their layout stays as it is."""
+        (``columns_are_positions``) needs every column where it is: their layout stays as it is. Returns the
+        holes removed (row x column cells), what the cost of compacting is priced by."""
         assert self.num_written == 0, "compact after keep or discard"
         if self.valid is None or self.columns_are_positions() or not self.holes_maskable():
-            return
+            return 0
+        before = self.valid.numel()
         counts = self.valid.sum(-1)
         width = int(counts.max())
         index = torch.zeros(self.num_rows, width, dtype=torch.long)
@@ -723,8 +817,10 @@ class KVStore:
         self.valid = torch.arange(width)[None, :] >= (width - counts)[:, None]
         self.width = width
         self.gathers += 1
+        holes = before - self.valid.numel()
         if bool(self.valid.all()):
             self.valid = None
+        return holes
 
     def _rows_by_id(self) -> dict[int, _Parked]:
         """Every row, those that left and those still here, by the order ``prefill`` read them."""
@@ -772,7 +868,9 @@ class KVStore:
         it): the prompt's columns, then every emitted token but the last one, in every row [B, H, prompt + N - 1,
         D] for N the longest row's tokens; a row that stopped early also holds its last token and the padding
         plain fed after it (one forward over them), sliding-window layers their window, recording as it was.
-        Columns plain masks (padding, holes) hold zeros: no query ever reads them. The store is spent after it.
+        Columns plain masks (padding, holes) hold zeros: no query ever reads them. A static cache is back in
+        buffers of the width it came with (``backends.Buffers.release``); an encoder-decoder's cross-attention cache
+        holds every row again. The store is spent after it.
         """
         assert self.returns_cache and self.num_written == 0, "finish: a store that hands its cache back, between rounds"
         longest = max(len(tokens) for tokens in new_tokens)
@@ -782,11 +880,19 @@ class KVStore:
             self._rollback(width)  # already plain's layout: only the tokens kept after a stop go
         else:
             self._assemble(new_tokens, pad_token_id, longest)
+        for layer in self.layers:  # a recurrent layer holds its last states only, as plain's does
+            if stateful([layer]) and holds_states(layer):
+                backend_for(layer).settle(layer)
         for layer, recording in self._recording:
             if getattr(layer, "is_sliding", False) and holds_states(layer):
                 layer.keys, layer.values = layer.keys[:, :, 1 - layer.sliding_window:], \
                     layer.values[:, :, 1 - layer.sliding_window:]
             layer.record_past = recording
+        if self.buffers is not None:
+            self.buffers.release(width)
+        for fixed, rows in zip(self.fixed, self._fixed_rows or ()):  # every row's cross-attention, as plain's
+            for layer, (keys, values) in zip(fixed.layers, rows):
+                layer.keys, layer.values = keys, values
 
     def _assemble(self, new_tokens: Sequence[Sequence[int]], pad_token_id: int, longest: int) -> None:
         """``finish`` where rows left early, stopped early, or hold padding or holes: each row's kept tokens are
@@ -817,7 +923,7 @@ class KVStore:
         for layer, out in zip(self.layers, outs):
             if out is not None:
                 layer.keys, layer.values = out
-                if getattr(layer, "is_sliding", False):
+                if getattr(layer, "is_sliding", False) and self.buffers is None:  # (a static one's: ``release``)
                     layer.cumulative_length = width
 
     def _extend(self, row: _Parked, tokens: list[int], *, record: Recording = NOTHING,
@@ -825,7 +931,9 @@ class KVStore:
         """``row`` after a forward over ``tokens`` at its next positions (one row, its own cache), and that
         forward's result."""
         cache = new_cache(self.model)
-        for layer, kv in zip(cache.layers, row.states):
+        layers = split_cache(cache)[0].layers  # (an encoder-decoder's self-attention: its cross-attention is
+        # written by the forward, from the row's encoder states)
+        for layer, kv in zip(layers, row.states):
             if kv is not None:
                 layer.update(*kv)
                 if getattr(layer, "is_sliding", False):
@@ -834,6 +942,5 @@ class KVStore:
         result = call_model(self.model, torch.tensor([tokens], device=self.device), cache, logits_at=logits_at,
                             position_ids=row.inputs.positions(positions).to(self.device), head=self.head,
                             record=record, model_inputs=row.inputs.step(len(tokens)))
-        states = tuple(None if kv is None else (layer.keys, layer.values)
-                       for layer, kv in zip(cache.layers, row.states))
+        states = tuple(None if kv is None else (layer.keys, layer.values) for layer, kv in zip(layers, row.states))
         return _Parked(states, row.count + len(tokens), row.next_position + len(tokens), row.inputs), result

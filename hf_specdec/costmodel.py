@@ -254,7 +254,8 @@ class ForwardPrice:
     Every sizing decision reads this (``policy.py``), with the rules of ``Bound`` written here once. ``rows``: rows
     in the batch (a forward over n inputs per row reads rows x n); ``allowance``: seconds the regret account may
     still lose (``Regret.allowance``); ``t_draft``: seconds of one draft-model step over these rows (None:
-    unmeasured, or no draft model).
+    unmeasured, or no draft model); ``hole``: seconds each hole a round leaves in the cache (a written input off
+    the kept path, in one row) costs when the cache compacts it, measured (0 until a compaction ran).
 
     >>> cost = ForwardCost.from_table({1: 0.10, 4: 0.20, 8: 0.30, 16: 0.34}, prior=True)  # a profile's seeds
     >>> cost.observe(1, 0.10); cost.observe(4, 0.11)  # measured here: t(4) is one step, not two
@@ -271,9 +272,20 @@ class ForwardPrice:
     rows: int = 1
     allowance: float = 0.0
     t_draft: float | None = None
+    hole: float = 0.0
 
-    def __call__(self, n: int, bound: Bound = Bound.EXPECTED) -> float | None:
-        """Seconds of a forward over n inputs per row; None before anything was measured."""
+    def __call__(self, n: int, bound: Bound = Bound.EXPECTED, holes: int = 0) -> float | None:
+        """Seconds of a forward over n inputs per row that leaves ``holes`` inputs per row off the kept path (a
+        trie's other branches: compacted later, at ``hole`` seconds each); None before anything was measured.
+
+        >>> price = ForwardPrice(ForwardCost.from_table({1: 0.10, 8: 0.12}), rows=2, hole=1e-4)
+        >>> price(4), price(4, holes=5)  # 2 rows x 5 holes
+        (0.12, 0.121)
+        """
+        t = self._forward(n, bound)
+        return t if t is None or not holes else round(t + self.rows * holes * self.hole, 12)
+
+    def _forward(self, n: int, bound: Bound) -> float | None:
         total, batch = self.rows * n, self.rows > 1
         if bound is Bound.WORST:
             return self.cost.estimate(total, extrapolate=True)

@@ -19,8 +19,11 @@ prefill
 step
     what every later forward gets for its n new inputs, wherever they sit (a chain, a trie's nodes, a Jacobi
     window): a per-token input (``PER_TOKEN``) at the value plain gives a new token, the same for every new
-    token; any other input plain passes on a step, unchanged. A forward over n new tokens reads what n one-token
-    steps of plain would read; images are read once, at the prefill;
+    token (IDEFICS' ``image_attention_mask``: the images the prompt's last token attends to); any other input
+    plain passes on a step, unchanged. A forward over n new tokens reads what n one-token steps of plain would
+    read; images are read once, at the prefill. Where the model's step reads what the prompt's forward returned
+    (IDEFICS: the encoded images, ``image_encoder_embeddings``), the step is made from that forward's output
+    (``StepMaker``, ``after_prefill``), as plain's second step is;
 positions
     the model's positions from the store's text positions (``cumsum(mask) - 1``, a trie node at its depth):
     the same, or, where ``generate`` gave [K, B, P] positions, each row + the offset of the row's last prompt
@@ -53,6 +56,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from transformers import GenerationMixin
+from transformers.utils import ModelOutput
 
 NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
 
@@ -61,9 +65,13 @@ NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
 SUPPLIED = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
                       "logits_to_keep", "cache_position", "return_dict", "output_attentions", "output_hidden_states",
                       "next_sequence_length"})
-# The per-token inputs: one value per token, sliced to the new tokens by ``prepare_inputs_for_generation`` (as
-# are the positions); the value of a new token is what the model's own step gives it (``from_generate``).
-PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids"})
+# The per-token inputs: one value per token along dimension 1 ([B, P], or [B, P, ...]: IDEFICS' image_attention_mask
+# [B, P, images], the images each token attends to), sliced to the new tokens by ``prepare_inputs_for_generation``
+# (as are the positions); the value of a new token is what the model's own step gives it (``from_generate``).
+PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids", "image_attention_mask"})
+# per-token inputs that tie each token to the images it attends to: a model that takes one reads its images by
+# cross-attention and reads no prompt without them (``for_draft``)
+IMAGE_BOUND = frozenset({"image_attention_mask"})
 EMBEDS = "inputs_embeds"
 # model types whose forward builds the per-layer-type masks (full, sliding) from the one mask it is given and hands
 # a 4-D one to every layer as it is: they take one 4-D mask, never a mapping of them (``cache.KVStore``)
@@ -81,12 +89,22 @@ class UnsupportedInput(ValueError):
     """A model input hf_specdec cannot carry as plain ``generate`` does; the message names it and the way out."""
 
 
-def _rows_of(value, index: torch.Tensor, rows: int):
+def _rows_of(value, index: torch.Tensor, rows: int, grouped: bool = False):
     """``value`` restricted to the batch rows ``index`` when it has one entry per row (a tensor of ``rows``
-    first entries); anything else is the same for every row."""
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+    first entries), or, ``grouped``, k entries per row in row order (``rows`` x k first entries: IDEFICS' encoded
+    images, k per row); anything else is the same for every row."""
+    if not isinstance(value, torch.Tensor) or not value.dim():
+        return value
+    if value.shape[0] == rows:
         return value[index.to(value.device)]
+    if grouped and value.shape[0] % rows == 0:
+        return value.reshape(rows, -1, *value.shape[1:])[index.to(value.device)].flatten(0, 1)
     return value
+
+
+def _grown(value: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-token input's value of one new token [B, 1, ...] for n new tokens [B, n, ...]."""
+    return value.expand(-1, n, *value.shape[2:])
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,12 @@ class ModelInputs:
     (a tensor with one entry per row follows the rows, ``select_rows``); rows: B.
     prompt_valid: [B, P] the prompt's real (unpadded) columns, None without padding (to lay a row's per-token
     values out for a draft model's own batch: ``for_draft``).
+    grouped: the step inputs with k entries per row in row order (B x k first entries), taken from the prompt
+    forward's outputs (IDEFICS' encoded images: k images per row), which ``select_rows`` selects k at a time.
+    awaiting: how to make the step's inputs once the prompt's forward returns, where the model's update reads
+    its outputs (``StepMaker``, ``after_prefill``); None once they are made.
+    encoder: the encoder states every forward of an encoder-decoder's decoder (or of a decoder reading another
+    model's encoder) cross-attends to (``encoder_decoder.EncoderStates``), in the batch's row order; None for others.
     """
 
     prefill: Mapping[str, Any] = field(default_factory=lambda: NO_KWARGS)
@@ -111,11 +135,14 @@ class ModelInputs:
     step_constant: Mapping[str, Any] = field(default_factory=lambda: NO_KWARGS)
     prompt_valid: torch.Tensor | None = None
     rows: int = 0
+    grouped: frozenset[str] = frozenset()
+    awaiting: "StepMaker | None" = None
+    encoder: Any = None
 
     @property
     def empty(self) -> bool:
         return not (self.prefill or self.step_tokens or self.step_constant or self.offsets is not None
-                    or self.prompt_positions is not None)
+                    or self.prompt_positions is not None or self.encoder is not None)
 
     @property
     def laid_out(self) -> bool:
@@ -139,12 +166,12 @@ class ModelInputs:
 
     def prefill_kwargs(self, n: int) -> Mapping[str, Any]:
         """The prompt forward's extra inputs when it reads the prompt's last ``n`` columns."""
-        if not self.prefill:
+        if not self.prefill and self.encoder is None:
             return NO_KWARGS
-        out = {}
+        out = {} if self.encoder is None else self.encoder.kwargs()
         for name, value in self.prefill.items():
-            if name in PER_TOKEN and value.shape[-1] != n:
-                value = value[..., -n:]
+            if name in PER_TOKEN and value.shape[1] != n:
+                value = value[:, -n:]
             elif name == EMBEDS and value.shape[1] != n:
                 value = value[:, -n:]
             out[name] = value
@@ -160,9 +187,19 @@ class ModelInputs:
 
     def step(self, n: int) -> Mapping[str, Any]:
         """The extra inputs of a later forward over n new inputs (a constant mapping when there are none)."""
+        if self.encoder is not None:
+            return {**self.step_constant, **self.encoder.kwargs(),
+                    **{name: _grown(value, n) for name, value in self.step_tokens.items()}}
         if not self.step_tokens:
             return self.step_constant
-        return {**self.step_constant, **{name: value.expand(-1, n) for name, value in self.step_tokens.items()}}
+        return {**self.step_constant, **{name: _grown(value, n) for name, value in self.step_tokens.items()}}
+
+    def after_prefill(self, output) -> "ModelInputs":
+        """These inputs once the prompt's forward returned ``output`` (the model's output object): with the step's
+        inputs made from it where they await it (``awaiting``), else these."""
+        if self.awaiting is None:
+            return self
+        return self.awaiting.fill(self, self.awaiting.grown(output))
 
     def positions(self, text: torch.Tensor) -> torch.Tensor:
         """Model positions of later inputs from their text positions [B, n]: the same, or [K, B, n]."""
@@ -179,13 +216,23 @@ class ModelInputs:
             self, prefill=NO_KWARGS, prompt_positions=None, prompt_valid=None, rows=int(index.shape[0]),
             offsets=None if self.offsets is None else self.offsets[..., index.to(self.offsets.device), :],
             step_tokens={name: value[index.to(value.device)] for name, value in self.step_tokens.items()},
-            step_constant={name: _rows_of(value, index, self.rows) for name, value in self.step_constant.items()})
+            step_constant={name: _rows_of(value, index, self.rows, name in self.grouped)
+                           for name, value in self.step_constant.items()},
+            encoder=None if self.encoder is None else self.encoder.select_rows(index))
 
     def for_draft(self, draft_model) -> "ModelInputs":
         """What a draft model's forwards get of these: the per-token inputs its forward takes (a text-only draft
         reads the images' placeholder ids at text positions; images encoded for the target are not its inputs: a
         multimodal draft gets its own, ``from_generate``)."""
         takes = frozenset(inspect.signature(type(draft_model).forward).parameters)
+        bound = sorted(IMAGE_BOUND & takes & (set(self.prefill) | set(self.step_tokens)))
+        if bound:
+            raise UnsupportedInput(
+                f"hf_specdec cannot run the draft model ({type(draft_model).__name__}) on this prompt: it reads "
+                f"images through {bound[0]}, and here it would read the prompt as text (its own image inputs "
+                "were not passed, or the prompt's attention_mask has holes or pads every row), which it cannot do "
+                "without images. Pass a mask without holes (left padding with one whole row is fine), use a "
+                "text-only draft model, or decoding='lookahead'.")
         tokens = {name: value for name, value in self.step_tokens.items() if name in takes}
         if not tokens:
             return NO_INPUTS
@@ -195,25 +242,28 @@ class ModelInputs:
     def relaid(self, rows: Sequence[int], lengths: Sequence[int], width: int) -> "ModelInputs":
         """These per-token inputs for a batch of its own (a draft model's): the caller's rows ``rows``, row i
         holding its first ``lengths[i]`` tokens (the prompt without padding, then new tokens), left-padded to
-        ``width``. Pads take 0. Inputs ``laid_out`` stay as they are (the batch must be the caller's prompts)."""
-        if not self.step_tokens or self.laid_out:
-            return self
+        ``width``. Pads take 0. Inputs ``laid_out`` stay as they are (the batch must be the caller's prompts);
+        encoder states take the rows."""
         index = torch.tensor(list(rows), dtype=torch.long)
+        encoder = None if self.encoder is None else self.encoder.select_rows(index)
+        if not self.step_tokens or self.laid_out:
+            return self if encoder is None or list(rows) == list(range(self.rows)) else \
+                dataclasses.replace(self, encoder=encoder, rows=len(rows))
         prefill = {}
         for name, step in self.step_tokens.items():
             prompt = self.prefill.get(name)
-            out = torch.zeros(len(rows), width, dtype=step.dtype, device=step.device)
+            out = torch.zeros(len(rows), width, *step.shape[2:], dtype=step.dtype, device=step.device)
             for i, (row, length) in enumerate(zip(rows, lengths)):
                 own = prompt[row] if prompt is not None else step[row, :0]
                 if prompt is not None and self.prompt_valid is not None:
                     own = own[self.prompt_valid[row].to(own.device)]
-                own = torch.cat([own, step[row].expand(max(0, length - own.shape[0]))])[:length]
+                own = torch.cat([own, step[row].expand(max(0, length - own.shape[0]), *step.shape[2:])])[:length]
                 if length:
                     out[i, width - length:] = own
             prefill[name] = out
         return ModelInputs(prefill=prefill, step_tokens={name: value[index.to(value.device)]
                                                          for name, value in self.step_tokens.items()},
-                           rows=len(rows))
+                           rows=len(rows), encoder=encoder)
 
     @classmethod
     def from_generate(cls, model, input_ids: torch.LongTensor, model_kwargs: Mapping[str, Any]) -> "ModelInputs":
@@ -234,27 +284,8 @@ class ModelInputs:
             kwargs["position_ids"] = positions
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         first = model.prepare_inputs_for_generation(input_ids, cache=cache, is_first_iteration=True, **kwargs)
-        grown = model._update_model_kwargs_for_generation({}, dict(kwargs), is_encoder_decoder=False,
-                                                          num_new_tokens=1)
-        step_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], 1)], dim=1)
-        step = model.prepare_inputs_for_generation(step_ids, next_sequence_length=1, cache=cache,
-                                                   is_first_iteration=False, **grown)
         prefill = {name: value for name, value in first.items() if name not in SUPPLIED and value is not None}
-        step_tokens, step_constant = {}, {}
-        for name, value in step.items():
-            if name in SUPPLIED or name == EMBEDS or value is None:
-                continue
-            if name in PER_TOKEN:
-                step_tokens[name] = value[..., -1:]
-                continue
-            before = first.get(name)
-            if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and value.shape != before.shape:
-                what = MADE_BY_GENERATE.get(name, name)
-                raise UnsupportedInput(
-                    f"hf_specdec does not know how {what} grows with new tokens (plain generate() gives it another "
-                    f"shape on each step), so it cannot pass it to a forward over several new tokens as plain "
-                    "generate() would; use plain generate() for this input.")
-            step_constant[name] = value
+        steps = StepMaker(model, input_ids, cache, MappingProxyType(kwargs), MappingProxyType(first))
         prompt_positions = offsets = None
         prepared = first.get("position_ids")  # what plain's prompt forward gets: [K, B, P], or 1-indexed (PaliGemma)
         if prepared is not None and (positions is None or prepared.dim() == 3 or not torch.equal(prepared, positions)):
@@ -266,8 +297,67 @@ class ModelInputs:
             text_last = text_last.to(prepared.device)[:, None]  # [B, 1]
             prompt_positions, offsets = prepared, prepared[..., -1:] - text_last  # offsets [B, 1] or [K, B, 1]
         valid = None if mask is None or bool(mask.bool().all()) else mask.bool().cpu()
-        return cls(prefill=prefill, prompt_positions=prompt_positions, offsets=offsets, step_tokens=step_tokens,
-                   step_constant=step_constant, prompt_valid=valid, rows=int(input_ids.shape[0]))
+        inputs = cls(prefill=prefill, prompt_positions=prompt_positions, offsets=offsets, prompt_valid=valid,
+                     rows=int(input_ids.shape[0]))
+        try:
+            grown = steps.grown(ModelOutput())
+        except AttributeError:  # its update reads what the prompt's forward returns (IDEFICS: the encoded images)
+            return dataclasses.replace(inputs, awaiting=steps)
+        return steps.fill(inputs, grown)
+
+
+@dataclass(frozen=True)
+class StepMaker:
+    """How ``ModelInputs.from_generate`` asks the model what a step after the prompt gets: its
+    ``_update_model_kwargs_for_generation`` over the prompt forward's outputs (``grown``), then its
+    ``prepare_inputs_for_generation`` over one new token (``fill``). Most models' update reads no output but the
+    cache, so the step is made before any forward; a model whose update reads more (IDEFICS: the images its vision
+    model encoded, passed on to every step as ``image_encoder_embeddings``) waits for the prompt's forward
+    (``ModelInputs.awaiting``, ``after_prefill``), as plain's second step does.
+
+    model; input_ids [B, P] the prompt; cache: generate's; kwargs: the inputs ``from_generate`` prepared the
+    prompt's forward from; first: what that preparation gave."""
+
+    model: Any
+    input_ids: torch.LongTensor
+    cache: Any
+    kwargs: Mapping[str, Any]
+    first: Mapping[str, Any]
+
+    def grown(self, outputs) -> dict:
+        """The model's inputs for the step after the prompt, grown by its own update from ``outputs``."""
+        return self.model._update_model_kwargs_for_generation(outputs, dict(self.kwargs), is_encoder_decoder=False,
+                                                              num_new_tokens=1)
+
+    def fill(self, inputs: "ModelInputs", grown: Mapping[str, Any]) -> "ModelInputs":
+        """``inputs`` with the step's: per-token inputs at the value of a new token, the rest as the step gets
+        them; an input taken from the prompt forward's outputs (a tensor ``grown`` has and the prompt's inputs had
+        not) holds the batch's rows in order, k entries each (``ModelInputs.grouped``). Raises
+        ``UnsupportedInput`` for an input a step changes in a way hf_specdec does not know how to carry over n
+        new tokens."""
+        grown = {name: value for name, value in grown.items() if name not in ("cache", "past_key_values")}
+        read = {id(value) for name, value in grown.items()
+                if name not in self.kwargs and isinstance(value, torch.Tensor)}  # from the outputs
+        step_ids = torch.cat([self.input_ids, self.input_ids.new_zeros(self.input_ids.shape[0], 1)], dim=1)
+        step = self.model.prepare_inputs_for_generation(step_ids, next_sequence_length=1, cache=self.cache,
+                                                        is_first_iteration=False, **grown)
+        step_tokens, step_constant = {}, {}
+        for name, value in step.items():
+            if name in SUPPLIED or name == EMBEDS or value is None:
+                continue
+            if name in PER_TOKEN:
+                step_tokens[name] = value[:, -1:]
+                continue
+            before = self.first.get(name)
+            if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and value.shape != before.shape:
+                what = MADE_BY_GENERATE.get(name, name)
+                raise UnsupportedInput(
+                    f"hf_specdec does not know how {what} grows with new tokens (plain generate() gives it another "
+                    f"shape on each step), so it cannot pass it to a forward over several new tokens as plain "
+                    "generate() would; use plain generate() for this input.")
+            step_constant[name] = value
+        return dataclasses.replace(inputs, step_tokens=step_tokens, step_constant=step_constant, awaiting=None,
+                                   grouped=frozenset(name for name, value in step_constant.items() if id(value) in read))
 
 
 NO_INPUTS = ModelInputs()

@@ -27,19 +27,19 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 from . import cache as kv
 from .config import LookaheadConfig, SpecConfig, TreeMode, auto_draft_vocab_size
 from .costmodel import Estimates
-from .drafters.base import ChainDrafter, PerRow
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.early_exit import EarlyExit, EarlyExitDrafter
-from .drafters.lookahead import LookaheadDrafter
-from .drafters.prompt_lookup import PromptLookupDrafter
-from .inputs import PER_TOKEN, SUPPLIED, ModelInputs
+from .drafters.base import DraftCall, DraftKind, DraftSource
+from .drafters.early_exit import EarlyExit
+from .drafters.lookahead import LookaheadSource
+from .drafters.source import draft_kind, draft_source
+from . import encoder_decoder as ed
+from .inputs import NO_INPUTS, PER_TOKEN, SUPPLIED, ModelInputs
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, Seeding, SpeculativeMemory
 from .models.packed import reordered_only_values
 from .models.seeding import call_start_lookahead, call_start_speculative
 from .policy import make_policy
 from .stats import SpecStats, stats_holder
-from .support import Unsupported, check_supported, tree_refusal
+from .support import Unsupported, check_cache_implementation, check_own_generate, check_supported, tree_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ def speculative_generate(
     speculative_memory=None,
     spec_streamer=None,
     draft_model_inputs: dict | None = None,
+    inputs_tensor: torch.Tensor | None = None,
     **model_kwargs,
 ):
     """``custom_generate`` callable: speculative decoding with ``draft_model`` (see module docstring).
@@ -77,6 +78,8 @@ def speculative_generate(
     reads with the prompts as plain generate() would (``model.generate`` after ``enable`` passes the caller's
     when the draft's forward takes them; generate() has encoded them for the target before this call); without
     them a draft gets the target's per-token inputs its forward takes and reads images as their placeholder ids.
+    ``inputs_tensor``: the encoder input generate() encoded for an encoder-decoder target, which an
+    encoder-decoder draft encodes too (``encoder_decoder.draft_states``).
     """
     stats_holder(model).set(None)  # a call that raises leaves no stats, never the previous call's
     if draft_model is None:
@@ -87,31 +90,24 @@ def speculative_generate(
                          f"{type(speculative_memory).__name__}.")
     rows = input_ids.shape[0]
     check_supported(model, "speculative", rows)
-    key = draft_model  # what the memory keeps its estimates by: EarlyExit(N) itself, not its view made per call
-    if isinstance(draft_model, EarlyExit):
-        key = draft_model.resolved(model, speculative_memory)  # "auto": the N the memory's estimates price best
-        draft_model = key.view(model)
-    if not hasattr(draft_model, "propose"):
-        check_supported(draft_model, "speculative", rows, role="draft")
-    config = _with_trees(config, model, draft_model, rows)
+    source = draft_source(draft_model, model, speculative_memory)  # "auto" early exit: the N the memory prices best
+    draft = _checked_draft(source, rows)  # the model whose forwards draft; None: a drafter of one's own
+    config = _with_trees(config, model, draft, rows)
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
-    origin = call_start_speculative(speculative_memory, model, key)  # seeds a memory's first call (a model's)
-    estimates = speculative_memory.estimates(key) if speculative_memory is not None else Estimates()
-    if hasattr(draft_model, "propose"):  # bring your own Drafter (drafters/base.py)
-        drafter = draft_model
-    else:
-        _check_same_family(model, draft_model)  # verified over the target's whole vocabulary, never cut to the draft's
+    origin = call_start_speculative(speculative_memory, model, source)  # seeds a memory's first call
+    estimates = speculative_memory.estimates(source.memory_key) if speculative_memory is not None else Estimates()
+    call = DraftCall(model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
+                     special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id,
+                     history_lookup=config.history_lookup, batch=rows)
+    if draft is not None:
+        _check_same_family(model, draft)  # verified over the target's whole vocabulary, never cut to the draft's
         if estimates.draft_read.prior is None:
-            estimates.draft_read.prior = compute_share(draft_model, model)
-        drafter = ChainDrafter(
-            (EarlyExitDrafter if isinstance(key, EarlyExit) else DraftModelDrafter)(  # early exit: no cache of its own
-                draft_model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
-                draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size),
-                special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id,
-                model_inputs=_draft_inputs(draft_model, inputs, draft_model_inputs)),
-            PerRow(PromptLookupDrafter) if config.history_lookup else None,
-        )
+            estimates.draft_read.prior = compute_share(draft, model)
+        call = dataclasses.replace(
+            call, model_inputs=_draft_inputs(draft, inputs, draft_model_inputs, inputs_tensor),
+            draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size) if ed.draft_reads_ids_only(draft) else None)
+    drafter = source.drafter(call)
     return _run(model, inputs, drafter, make_policy(config, estimates), spec_streamer, generation_config,
                 "speculative", origin)
 
@@ -146,8 +142,9 @@ def lookahead_generate(
                       spec_streamer)
     origin = call_start_lookahead(lookahead_memory, model)  # seeds a memory's first call
     memory = lookahead_memory if lookahead_memory is not None else LookaheadMemory()
-    drafter = PerRow(lambda: LookaheadDrafter(model, config, memory, remember=lookahead_memory is not None,
-                                              trees=trees))
+    source = LookaheadSource(config, memory, remember=lookahead_memory is not None, trees=trees)
+    drafter = source.drafter(DraftCall(model, inputs.logits_processor, do_sample=inputs.do_sample,
+                                       vocab_size=inputs.vocab_size, pad_token_id=inputs.pad_token_id))
     return _run(model, inputs, drafter, make_policy(config, memory.estimates), spec_streamer, generation_config,
                 "lookahead", origin)
 
@@ -163,13 +160,21 @@ def _as_config(value, cls, name):
     return value
 
 
+def _checked_draft(source: DraftSource, rows: int):
+    """The model whose forwards draft (``source.model``), refused where hf_specdec cannot run it exactly as a
+    draft; None: a drafter of one's own, which runs no model of the draft's."""
+    if source.model is not None:
+        check_supported(source.model, "speculative", rows, role="draft")
+    return source.model
+
+
 def _with_trees(config: SpecConfig, model, draft_model, rows: int) -> SpecConfig:
     """``tree="auto"`` becomes "off" where the target or the draft model cannot read a tree in one forward
-    (``support.tree_refusal``: position ids, a 4-D mask); ``tree="on"`` is refused there. A drafter of one's own
-    says in its offers whether it drafts trees."""
+    (``support.tree_refusal``: position ids, a 4-D mask); ``tree="on"`` is refused there. ``draft_model`` None: a
+    drafter of one's own, which says in its offers whether it drafts trees."""
     if config.tree == TreeMode.OFF:
         return config
-    models = [("target", model)] + ([] if hasattr(draft_model, "propose") else [("draft", draft_model)])
+    models = [(role, checked) for role, checked in (("target", model), ("draft", draft_model)) if checked is not None]
     for role, checked in models:
         reason = tree_refusal(checked)
         if reason is None:
@@ -238,7 +243,8 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
             "after hf_specdec.enable(model), which runs transformers' beam search."
         )
     returned = bool(generation_config.return_dict_in_generate)
-    model_inputs = _model_inputs(model, input_ids, model_kwargs)
+    model_kwargs, encoder = ed.decoder_view(model, model_kwargs)  # an encoder-decoder's decoder, its encoder apart
+    model_inputs = _model_inputs(model, input_ids, model_kwargs, encoder)
     if generation_config.use_cache is False:
         raise ValueError("Speculation needs the KV cache: do not pass use_cache=False.")
     kv.check_cache_supported(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
@@ -256,6 +262,8 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
     cached, positions = _check_positions(model_inputs.prompt_ids(input_ids), mask, None if
                                          positions is not None and positions.dim() == 3 else positions, cache,
                                          generation_config)
+    if cache is not None:  # a static cache holds the columns the call ends with: its uncached prompt and new tokens
+        kv.check_cache_supported(cache, int(cache.get_seq_length()) - cached + int(generation_config.max_length) - 1)
     if mask is not None:
         mask = mask.to(input_ids.device)
         if bool(mask.all()):
@@ -290,8 +298,6 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
 _UNSUPPORTED = {
     "cross_attention_mask": "its rows follow the text tokens, and hf_specdec does not grow it over several new "
                             "tokens per forward",
-    "image_attention_mask": "its rows follow the text tokens, and hf_specdec does not grow it over several new "
-                            "tokens per forward",
 }
 
 
@@ -304,19 +310,32 @@ def _check_model_inputs(model_kwargs: dict) -> None:
                              f"{_UNSUPPORTED[name]}. Use plain generate() with {name}=.")
 
 
-def _model_inputs(model, input_ids, model_kwargs: dict) -> ModelInputs:
-    """The call's other model inputs, as plain generate() gives them to each forward (``inputs.py``)."""
+def _model_inputs(model, input_ids, model_kwargs: dict, encoder: ed.EncoderStates | None = None) -> ModelInputs:
+    """The call's other model inputs, as plain generate() gives them to each forward (``inputs.py``); an
+    encoder-decoder's encoder states besides (``encoder_decoder.decoder_view``)."""
     _check_model_inputs(model_kwargs)
+    if encoder is not None:
+        return ModelInputs(encoder=encoder, rows=int(input_ids.shape[0]))
     return ModelInputs.from_generate(model, input_ids, model_kwargs)
 
 
-def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None) -> ModelInputs:
+def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None,
+                  inputs_tensor: torch.Tensor | None = None) -> ModelInputs:
     """What the draft model's forwards get: with image / audio inputs of its own (``draft_model_inputs``), those
     and its per-token inputs as plain generate() would give them to it (its own positions: multimodal RoPE);
     otherwise the target's per-token inputs its forward takes. The draft reads its prompts without their masked
     columns, left-padded (``DraftModelDrafter``): where that is not the caller's layout (a mask with holes, or
     with masked columns after a row's first attended one), the images' placeholder tokens would no longer match
-    them, so the draft reads the prompts as text (its guesses only; the target verifies every token)."""
+    them, so the draft reads the prompts as text (its guesses only; the target verifies every token). A draft of
+    an encoder-decoder reads encoder states (``encoder_decoder.draft_states``: its own or the target's) or none."""
+    encoder = inputs.model_inputs.encoder
+    if encoder is not None or ed.is_encoder_decoder(draft_model):
+        if encoder is None:
+            raise Unsupported(f"The draft {type(draft_model).__name__} is an encoder-decoder and the target "
+                              f"{type(inputs.target).__name__} is not: an encoder-decoder draft drafts for an "
+                              "encoder-decoder target. Use a causal LM sharing the target's tokenizer as the draft.")
+        states = ed.draft_states(draft_model, encoder, inputs_tensor)
+        return NO_INPUTS if states is None else ModelInputs(encoder=states, rows=int(inputs.input_ids.shape[0]))
     if not given or not _draft_reads_caller_layout(inputs):
         return inputs.model_inputs.for_draft(draft_model)
     kwargs = {**given, "attention_mask": inputs.attention_mask}
@@ -349,7 +368,7 @@ def _draft_reads_caller_layout(inputs: DecodeInputs) -> bool:
 def _draft_model_inputs(draft_model, kwargs: dict) -> dict | None:
     """The caller's model inputs a multimodal draft model reads (its forward takes them, images among them),
     before generate() encodes the images for the target; None for a text-only draft."""
-    if not isinstance(draft_model, torch.nn.Module) or hasattr(draft_model, "propose"):
+    if draft_kind(draft_model) is not DraftKind.MODEL:
         return None
     forward = frozenset(inspect.signature(type(draft_model).forward).parameters)
     given = {name: value for name, value in kwargs.items()
@@ -368,12 +387,16 @@ def _refuse_up_front(model, mode: str, args: tuple, kwargs: dict) -> None:
     cannot run exactly, and the model inputs the model's forward names that the loop cannot pass. Without this,
     generate() would first run an encoder or encode images, or a class's own generate() its own steps. Inputs the
     forward does not name are left to generate()'s own validation (a typo) and to the callable's check."""
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    rows = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids", kwargs.get("input_features")))
+    rows = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 1  # ids, features
     check_supported(model, mode, rows)
+    check_own_generate(model, inputs)
+    check_cache_implementation(model, kwargs)
     draft = kwargs.get("assistant_model")
-    if mode == "speculative" and isinstance(draft, torch.nn.Module) and not hasattr(draft, "propose"):
-        check_supported(draft, mode, rows, role="draft")  # (EarlyExit(N) is the target's own layers)
+    if mode == "speculative" and draft is not None:
+        _checked_draft(draft_source(draft, model), rows)  # an early exit: its depth and its layers too
+    if ed.is_encoder_decoder(model):
+        ed.check_inputs(model, kwargs)
     forward = frozenset(inspect.signature(type(model).forward).parameters)
     _check_model_inputs({name: value for name, value in kwargs.items()
                          if name not in _GENERATE_ARGUMENTS and (name in forward or name == "inputs_embeds")})
@@ -388,7 +411,7 @@ def _check_positions(input_ids, mask, positions, cache, generation_config) -> tu
     A mask may hold zeros anywhere (padding, holes). Returns (cached columns, positions [B or 1, n] or None)."""
     shape = tuple(input_ids.shape)
     rows, width = shape
-    past = cache.get_seq_length() if cache is not None else 0
+    past = int(cache.get_seq_length()) if cache is not None else 0  # (a static cache counts in a tensor)
     lengths = (width, past + width)  # the whole prompt, or the cache's columns and the new tokens
     over = "over the cache's columns and input_ids" if past else "of input_ids' shape"
     advice = f"; pass an attention_mask {over} (1 for tokens, 0 for padding), or none."
@@ -421,6 +444,8 @@ def _run(model, inputs, drafter, policy, streamer, generation_config, mode, orig
     stats_holder(model).set(stats)
     if not generation_config.return_dict_in_generate:
         return decoded.sequences
+    if ed.is_encoder_decoder(model):
+        return ed.generate_output(model, inputs, decoded, stats)
     return SpecGenerateOutput(sequences=decoded.sequences, scores=decoded.scores or None,
                               logits=decoded.logits or None, attentions=decoded.attentions or None,
                               hidden_states=decoded.hidden_states or None, cache=decoded.cache,
@@ -518,7 +543,7 @@ def _early_exit_draft(layers, assistant_model, decoding) -> EarlyExit:
     if decoding == "lookahead":
         raise ValueError("assistant_early_exit= is a draft for speculative decoding and decoding='lookahead' would "
                          "ignore it; drop one of them.")
-    return layers if isinstance(layers, EarlyExit) else EarlyExit(layers)
+    return EarlyExit.of(layers)
 
 
 def _check_mode_arguments(mode, assistant_model, spec_config, lookahead_config) -> None:

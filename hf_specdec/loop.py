@@ -11,7 +11,8 @@
                    row at its own positions, seeing its own cache (``cache.KVStore``), written at new slots
       5. verify    logits processors at every node, each with its own prefix; ``verify.py`` picks each row's path
       6. keep      the cache keeps the slots of each row's last token and accepted path and forgets the other
-                   slots written in step 4 (a crop for a chain; other paths leave masked holes)
+                   slots written in step 4 (a crop for a chain; other paths leave masked holes; once holes
+                   pass a share of the columns, the cache compacts them: a step timed apart from the forward)
       7. emit      each row's tokens are cut at its first stop, streamed (one row) and appended
       8. learn     one ``RoundOutcome`` per row (with the plan it followed) to ``stats.record``,
                    ``policy.observe`` and ``drafter.update``;
@@ -46,6 +47,7 @@ from .errors import is_out_of_memory
 from .inputs import NO_INPUTS, ModelInputs
 from .layout import round_layout, stack_layouts
 from .policy import CappedPolicy, Policy
+from .processors import process_rows
 from .round import Proposal, RoundOutcome, RowView
 from .stats import SpecStats
 from .stopping import Emitter, cut_at_stop
@@ -100,12 +102,15 @@ class Step:
     layer) [1, 1, D] and attentions (one per layer) [1, heads, 1, P + t] at step t, from the forward whose input
     was the token before (the row's padding columns at weight 0, a trie's other branches and holes left out),
     and for the first token those of the prompt's forward, [1, P, D] and [1, heads, P, P]; attentions are ()
-    where the attention kernel returns none (sdpa, as in plain ``generate``)."""
+    where the attention kernel returns none (sdpa, as in plain ``generate``). A model reading encoder states (an
+    encoder-decoder) also has the cross-attentions of the same input, [1, heads, 1, S] per layer over the encoder's
+    S columns (the prompt's: [1, heads, P, S]): the input's query row, as plain's one-token forward has it."""
 
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -120,6 +125,8 @@ class Decoded:
     logits: tuple[torch.Tensor, ...] = ()  # raw logits [B, V] (float32, as generate) of each step, if asked
     hidden_states: tuple[tuple[torch.Tensor, ...], ...] = ()  # per step, per layer (Step), if asked
     attentions: tuple[tuple[torch.Tensor, ...], ...] = ()  # per step, per layer (Step), if asked
+    cross_attentions: tuple[tuple[torch.Tensor, ...], ...] = ()  # per step, per layer (Step), if asked of a model
+    # reading encoder states
     cache: object | None = None
 
 
@@ -149,14 +156,14 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     start = time.perf_counter()
     emitter.prompt(inputs.input_ids)
     cache = kv.KVStore(inputs.target, inputs.attention, cache=inputs.cache, returns_cache=inputs.return_cache,
-                       keeps_rows=inputs.returns)
+                       keeps_rows=inputs.returns, compacts_on_keep=False)
     rows = _rows(inputs)
     _prefill(inputs, cache, rows, emitter, steps)
     prefill_seconds = time.perf_counter() - start
     stats.record_prefill(prefill_seconds, emitted=len(rows))
     policy.observe_prefill(int(inputs.input_ids[:, inputs.cached:].numel()), prefill_seconds)
     active = _leave(cache, rows)
-    if active and hasattr(drafter, "attach"):  # a drafter that reads the target's own cache (early exit)
+    if active:  # the target's cache, for a drafter that reads it (early exit); the others ignore it
         drafter.attach(cache)
     if active:
         drafter = _guarded(drafter.prefill, [row.view(inputs.max_length) for row in active], drafter, stats)
@@ -228,11 +235,12 @@ def _prefill(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], emitter:
                 "smaller target or a lower precision (dtype='auto' picks bf16/fp16 where supported)."
             ) from error
         raise
-    for row in rows:
+    processed = _process(inputs, [(row.row, row.padded(), Proposal(), logits[row.row: row.row + 1]) for row in rows])
+    for row, scores in zip(rows, processed):  # scores: [1, V]
         raw = logits[row.row: row.row + 1].clone() if inputs.output_logits else None  # before any processor
-        scores = _process(inputs, row.padded(), Proposal(), logits[row.row: row.row + 1])  # [1, V]
         first = verify((), (), None, scores, inputs.do_sample).next_token
-        prompt = [_rows_of(read.hidden_states, row.row), _rows_of(read.attentions, row.row)]
+        prompt = [_rows_of(read.hidden_states, row.row), _rows_of(read.attentions, row.row),
+                  _rows_of(read.cross_attentions, row.row)]
         _emit(inputs, emitter, steps, row, None, _returned(inputs, scores, raw, [0], [prompt]), tokens=[first])
 
 
@@ -263,6 +271,9 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     top_k = max(proposal.top_k for proposal in proposals)
     tops = logits.topk(top_k, dim=-1).indices.cpu() if top_k else None  # [B, |needed|, K]
     indices = [where[layout.logits_index] for layout in layouts]  # per row: [R] into logits
+    processed = None if raw else _process(inputs, [
+        (row.row, row.padded(), proposal, logits[i, index[:1 + proposal.num_tokens].to(logits.device)])
+        for i, (row, proposal, index) in enumerate(zip(rows, proposals, indices))])  # per row: [1 + T, V]
     verdicts, scores, kept = [], [], []
     for i, (row, layout, proposal, index) in enumerate(zip(rows, layouts, proposals, indices)):
         num_rows = 1 + proposal.num_tokens
@@ -273,7 +284,7 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
         else:
             row_logits = logits[i, index[:num_rows].to(logits.device)]  # [1 + T, V]
             row_raw = row_logits.clone() if inputs.output_logits else None  # before any processor
-            row_scores = _process(inputs, row.padded(), proposal, row_logits)  # [1 + T, V]
+            row_scores = processed[i]  # [1 + T, V]
             verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
         verdicts.append(verdict)
         kept.append(written.slots[i, layout.kept_inputs(verdict.accepted)].tolist())
@@ -282,6 +293,11 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
         scores.append(_returned(inputs, row_scores, row_raw, [0] + [1 + node for node in verdict.accepted], recorded))
     cache.keep(kept)
     seconds = time.perf_counter() - start
+    compacted, compact_time = 0, 0.0
+    if cache.compaction_due():  # a step of its own, timed apart: t(n) learns the forward, not the compaction
+        begin = time.perf_counter()
+        compacted = cache.compact()
+        compact_time = time.perf_counter() - begin
     outcomes = []
     for i, (view, layout, proposal, verdict, index) in enumerate(zip(views, layouts, proposals, verdicts, indices)):
         extra_next = top_inputs = top_next = None
@@ -294,35 +310,43 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
         outcomes.append(RoundOutcome(
             proposal=proposal, accepted=verdict.accepted, next_token=verdict.next_token, emitted=(),
             start_length=view.ids.shape[0], forward_tokens=batch.num_tokens, verify_time=seconds,
-            extra_next=extra_next, top_inputs=top_inputs, top_next=top_next, row=view.row, rows=len(views)))
+            extra_next=extra_next, top_inputs=top_inputs, top_next=top_next, row=view.row, rows=len(views),
+            compacted=compacted, compact_time=compact_time))
     return outcomes, scores
 
 
-def _process(inputs: DecodeInputs, ids: torch.LongTensor, proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
-    """Logits processors after the last token (row 0) and after every node (row 1 + i), each with its own
-    prefix: the row's committed tokens (``ids``: [1, L], padding included) and the node's path.
-    [1 + T, V] -> [1 + T, V]."""
+def _process(inputs: DecodeInputs, requests: list[tuple[int, torch.LongTensor, Proposal, torch.Tensor]]
+             ) -> list[torch.Tensor]:
+    """Logits processors over rounds of rows: per request (the row's index in the caller's batch, its committed
+    tokens ``ids`` [1, L] padding included, its proposal, its logits [1 + T, V]) the scores after the last token
+    (row 0) and after every node (row 1 + i), each with its own prefix: the committed tokens and the node's path.
+    Returns per request [1 + T, V]. The processors are called over the caller's batch, each prefix at its row's
+    index, as plain calls them (``processors.process_rows``)."""
     if not inputs.logits_processor:
-        return logits
-    ids = ids.to(logits.device)
-    rows = [inputs.logits_processor(ids, logits[0:1])]
-    for node in range(proposal.num_tokens):
-        path = torch.tensor([[proposal.tokens[n] for n in proposal.path(node)]], dtype=torch.long, device=ids.device)
-        rows.append(inputs.logits_processor(torch.cat([ids, path], dim=1), logits[1 + node: 2 + node]))
-    return torch.cat(rows, dim=0)
+        return [logits for _, _, _, logits in requests]
+    entries = [(row, torch.cat([ids[0], torch.tensor([proposal.tokens[n] for n in proposal.path(node - 1)],
+                                                     dtype=torch.long)]) if node else ids[0], logits[node])
+               for row, ids, proposal, logits in requests for node in range(logits.shape[0])]
+    out = process_rows(inputs.logits_processor, inputs.input_ids.shape[0], entries)
+    result, start = [], 0
+    for _, _, _, logits in requests:
+        result.append(torch.stack(out[start: start + logits.shape[0]]))
+        start += logits.shape[0]
+    return result
 
 
 def _returned(inputs: DecodeInputs, scores, logits, kept: list[int], recorded=None) -> list[Step] | None:
     """What the call returns for the tokens at rows ``kept`` of a round (processed scores and raw logits
-    [1 + T, V]; ``recorded``: per kept token, its (hidden states, attentions), ``_recorded``): one ``Step`` per
-    token, None when nothing is asked."""
+    [1 + T, V]; ``recorded``: per kept token, its (hidden states, attentions, cross-attentions), ``_recorded``):
+    one ``Step`` per token, None when nothing is asked."""
     if not inputs.returns:
         return None
-    recorded = recorded or [(None, None)] * len(kept)
+    recorded = recorded or [(None, None, None)] * len(kept)
     return [Step(scores[k: k + 1] if inputs.output_scores else None,
                  logits[k: k + 1].float() if inputs.output_logits else None,
                  hidden if inputs.output_hidden_states else None,
-                 attentions if inputs.output_attentions else None) for k, (hidden, attentions) in zip(kept, recorded)]
+                 attentions if inputs.output_attentions else None,
+                 cross if inputs.output_attentions else None) for k, (hidden, attentions, cross) in zip(kept, recorded)]
 
 
 def _rows_of(states: tuple[torch.Tensor, ...] | None, row: int) -> tuple[torch.Tensor, ...] | None:
@@ -332,11 +356,12 @@ def _rows_of(states: tuple[torch.Tensor, ...] | None, row: int) -> tuple[torch.T
 
 def _recorded(written: kv.ForwardResult, cache: kv.KVStore, i: int, inputs: list[int], slots: list[int],
               padding: int) -> list[tuple]:
-    """Per emitted token of row ``i`` of a verify forward, its (hidden states, attentions) as plain ``generate``
-    records them: those of the input before it on the kept path (``inputs``: the last token, then the accepted
-    nodes, written at ``slots``); attention rows with the columns plain's forward had (``KVStore.attention_rows``:
-    the row's ``padding`` at weight 0, its tokens, the path up to the input; no hole, no other branch, no other
-    row's padding). Computed before ``keep``."""
+    """Per emitted token of row ``i`` of a verify forward, its (hidden states, attentions, cross-attentions) as
+    plain ``generate`` records them: those of the input before it on the kept path (``inputs``: the last token,
+    then the accepted nodes, written at ``slots``); attention rows with the columns plain's forward had
+    (``KVStore.attention_rows``: the row's ``padding`` at weight 0, its tokens, the path up to the input; no hole,
+    no other branch, no other row's padding); cross-attention rows as they are (the encoder's columns, the same
+    in every forward). Computed before ``keep``."""
     recorded = []
     for j, index in enumerate(inputs):
         hidden = None if written.hidden_states is None else tuple(
@@ -345,8 +370,15 @@ def _recorded(written: kv.ForwardResult, cache: kv.KVStore, i: int, inputs: list
         if written.attentions is not None:
             total = int(written.slots[i, -1]) + 1  # every column of the forward: the kept ones and its inputs
             attentions = cache.attention_rows(written.attentions, i, index, slots[: j + 1], padding, total)
-        recorded.append((hidden, attentions))
+        recorded.append((hidden, attentions, _query_rows(written.cross_attentions, i, index)))
     return recorded
+
+
+def _query_rows(attentions: tuple[torch.Tensor, ...] | None, row: int, query: int
+                ) -> tuple[torch.Tensor, ...] | None:
+    """Per layer, the weights [1, heads, 1, K] of input ``query`` of row ``row`` (a forward's cross-attentions
+    [B, heads, n, K] per layer), None when not recorded."""
+    return None if attentions is None else tuple(layer[row: row + 1, :, query: query + 1] for layer in attentions)
 
 
 def _fed_steps(inputs: DecodeInputs, cache: kv.KVStore, row: _Row, fed: kv.Fed) -> list[Step]:
@@ -357,12 +389,13 @@ def _fed_steps(inputs: DecodeInputs, cache: kv.KVStore, row: _Row, fed: kv.Fed) 
     logits = fed.result.logits[0, :, : inputs.vocab_size]  # [L, V]
     raw = logits.clone() if inputs.output_logits else None  # before any processor
     ids = row.padded()
-    scores = torch.cat([_process(inputs, torch.cat([ids, torch.full((1, j), inputs.pad_token_id)], dim=1),
-                                 Proposal(), logits[j: j + 1]) for j in range(logits.shape[0])])  # [L, V]
+    scores = torch.cat(_process(inputs, [(row.row, torch.cat([ids, torch.full((1, j), inputs.pad_token_id)], dim=1),
+                                          Proposal(), logits[j: j + 1]) for j in range(logits.shape[0])]))  # [L, V]
     padding = row.prompt.shape[0] - row.unpadded.shape[0]
     recorded = [(None if fed.result.hidden_states is None else
                  tuple(layer[:, j: j + 1] for layer in fed.result.hidden_states),  # [1, 1, D] each
-                 None if fed.result.attentions is None else cache.fed_attention_rows(fed, j, padding))
+                 None if fed.result.attentions is None else cache.fed_attention_rows(fed, j, padding),
+                 _query_rows(fed.result.cross_attentions, 0, j))
                 for j in range(logits.shape[0])]
     return _returned(inputs, scores, raw, list(range(logits.shape[0])), recorded)
 
@@ -375,7 +408,7 @@ def _stacked(inputs: DecodeInputs, steps: list[list[Step]]) -> dict:
         return {}
     assert all(len(row) == longest for row in steps), "every row has a step per emitted token of the longest"
     fields = {}
-    for name in ("scores", "logits", "hidden_states", "attentions"):
+    for name in ("scores", "logits", "hidden_states", "attentions", "cross_attentions"):
         if getattr(steps[0][0], name) is None:
             continue
         fields[name] = tuple(_stack([getattr(row[t], name) for row in steps]) for t in range(longest))

@@ -232,6 +232,7 @@ class EmaName(enum.StrEnum):
     """The running averages the planner keeps in ``Estimates.emas`` (carried across calls with the estimates)."""
 
     POOL_GAIN = "pool_gain"  # tokens only the Jacobi window's pool added to a round's accepted path
+    HOLE_SECONDS = "hole_seconds"  # seconds compacting the cache took per hole it removed
     ROUND_TOKENS = "round_tokens"  # tokens emitted by a round that had ready-made candidates to guess from
 
 
@@ -428,7 +429,8 @@ class Planner:
     # -- prices -------------------------------------------------------------------------------------------------
     def price(self, rows: int = 1) -> ForwardPrice:
         """The one price of this round's forward for ``rows`` rows (``costmodel.ForwardPrice``)."""
-        return ForwardPrice(self.estimates.forward, rows, self.regret.allowance(), self.estimates.draft_seconds(rows))
+        return ForwardPrice(self.estimates.forward, rows, self.regret.allowance(), self.estimates.draft_seconds(rows),
+                            self.estimates.ema_value(EmaName.HOLE_SECONDS) or 0.0)
 
     def read_seconds(self, setup_tokens: int) -> float:
         """What the draft reading ``setup_tokens`` prompt tokens would cost: its learned share of the target's
@@ -607,7 +609,7 @@ class Planner:
         target's forward over the last token and every node, past the largest size measured priced as the
         measured curve continues (``Bound.WORST``): a tree never gets the optimism a chain's next size gets, so
         where t(n) is steep it is not tried "once" before it is known."""
-        verify = price(1 + shape.num_nodes, Bound.WORST)
+        verify = price(1 + shape.num_nodes, Bound.WORST, holes=shape.num_nodes - shape.depth)  # off the deepest path
         drafts = [self.estimates.draft_seconds(price.rows * width) for width in shape.expanded]
         if verify is None or any(t is None for t in drafts):
             return None
@@ -667,7 +669,8 @@ class Planner:
 
     def _trie_rate(self, price: ForwardPrice, trie: TrieChoice) -> float:
         """Expected tokens per second of the round that verifies ``trie`` alone (no draft forward)."""
-        t = price(1 + trie.nodes)
+        deepest = max((len(c.tokens) for row in trie.chosen for c in row), default=0)
+        t = price(1 + trie.nodes, holes=max(0, trie.nodes - deepest))  # at least the nodes off the deepest path
         return trie.emitted / price.rows / t if t else 0.0
 
     def _window(self, price: ForwardPrice, nodes: int) -> tuple[int, int]:
@@ -723,6 +726,8 @@ class Planner:
         if all(outcome.plan.is_plain for outcome in outcomes):
             self.last_plain_round = self.rounds
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        if first.compacted:
+            self.estimates.ema(EmaName.HOLE_SECONDS).update(first.compact_time / first.compacted)
         _observe_regret(self.regret, self.estimates, outcomes)
         by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
         for outcome in outcomes:
@@ -786,7 +791,7 @@ def _observe_regret(regret: Regret, estimates: Estimates, outcomes: Sequence[Rou
     if step is None:
         return
     proposals = [outcome.proposal for outcome in outcomes]
-    seconds = outcomes[0].verify_time + sum(p.draft_time + p.setup_time for p in proposals)
+    seconds = outcomes[0].verify_time + outcomes[0].compact_time + sum(p.draft_time + p.setup_time for p in proposals)
     emitted = sum(len(outcome.emitted) for outcome in outcomes)
     regret.observe(seconds, emitted, step / len(outcomes),
                    guessed=any(p.num_tokens or p.draft_forwards or _has_window(p) for p in proposals))

@@ -366,7 +366,9 @@ class RoundOutcome:
     choices were computed (the last token, the nodes, the read extras) and top_next: [R, K] those choices
     (both None unless the proposal asked for ``top_k``); row: the row's index in the caller's batch; finished:
     the row stopped this round (EOS, a stop string, a criterion or the length limit); rows: rows in the forward;
-    plan: the plan the round followed.
+    plan: the plan the round followed; compacted, compact_time: the holes (row x column cells) the cache's
+    compaction removed after this round's keep and its seconds (0 when it did not run): a step of its own, not
+    part of ``verify_time``, priced per hole (``costmodel.ForwardPrice.hole``).
     """
 
     proposal: Proposal
@@ -383,6 +385,8 @@ class RoundOutcome:
     finished: bool = False
     rows: int = 1
     plan: RoundPlan = RoundPlan()
+    compacted: int = 0
+    compact_time: float = 0.0
 
     @classmethod
     def discarded(cls, view: RowView, proposal: Proposal, rows: int = 1) -> "RoundOutcome":

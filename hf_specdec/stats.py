@@ -56,6 +56,8 @@ class SpecStats:
     draft_forwards: int = 0
     draft_setup_time_s: float = 0.0  # the draft reading the prompt, once, when first used (not in draft_time_s)
     verify_time_s: float = 0.0
+    compactions: int = 0  # times the target's cache gathered its kept columns together (after a round's keep)
+    compact_time_s: float = 0.0  # their seconds: a step of its own, not in verify_time_s
     prefill_time_s: float = 0.0
     total_time_s: float = 0.0
     ttft_s: float | None = None
@@ -92,6 +94,8 @@ class SpecStats:
         self.forwards += 1
         self.verify_time_s += first.verify_time
         self.verify_time_by_tokens.setdefault(first.forward_tokens, []).append(first.verify_time)
+        self.compactions += bool(first.compacted)
+        self.compact_time_s += first.compact_time
         self.draft_forwards += max(outcome.proposal.draft_forwards for outcome in outcomes)
         for outcome in outcomes:
             self._record_row(outcome)

@@ -4,8 +4,9 @@ Every rule below is checked by the architecture sweep (tests/test_architectures.
 causal LM transformers ships, each mode against plain ``generate``), and docs/architectures.md is its table.
 
 Verifying a chain of guesses (speculative decoding; lookahead's chain rounds) needs a cache it can roll back: a
-``DynamicCache`` whose layers hold one key/value column per token (full or sliding-window attention); the model's
-own causal mask and positions continue the cache. Reading a trie of guesses and a Jacobi window in one forward
+``DynamicCache`` whose layers hold one key/value column per token (full or sliding-window attention), or a
+``StaticCache`` (``cache_implementation="static"``) whose window, if any, spans it; the model's own causal mask
+and positions continue the cache. Reading a trie of guesses and a Jacobi window in one forward
 needs, besides, explicit position ids and a 4-D attention mask the model takes as given (``tree_refusal``): where a
 model lacks them, lookahead verifies one chain a round instead (docs/lookahead.md), and a draft model's tree
 rounds fall back to chains.
@@ -15,11 +16,17 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import DynamicCache, GenerationMixin
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
 from .backends import backend_named
+from .encoder_decoder import argument, is_encoder_decoder
 
-TREE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# layer types whose masks a trie forward gives (``KVStore._layer_masks``): an indexed (DSA) layer takes the full
+# causal mask, holes hidden from its indexer as from its attention
+TREE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "indexed_attention"})
 # Architectures whose multi-token forwards over a cache do not match their own one-token decoding (found by the
 # sweep; the reason is what the sweep showed). Plain generate() runs them as before.
 INEXACT = {
@@ -30,11 +37,68 @@ INEXACT = {
                   "cache cannot give",
     "moshi": "its forward over several new tokens differs from its one-token steps (plain generate already "
              "disagrees with a full forward), so tokens verified together are not the ones it would decode",
+    "blt": "its forward over several new tokens differs from its one-token steps (a token's byte-group hash "
+           "embedding reads the tokens before it in the same forward, zeros in a one-token step, and its global "
+           "transformer keeps no cache), so tokens verified together are not the ones it would decode",
+    # recurrent models whose layers do not record a state per input (transformers' recurrent_states_to_keep)
+    "recurrent_gemma": "it keeps its recurrent and conv states in its own modules, outside the cache, so they "
+                       "cannot be rolled back to an accepted guess",
+    "zamba": "its Mamba layers record only the last state of a forward over several tokens, so a rejected guess "
+             "cannot be rolled back",
+    "zaya": "its recurrent state (the last token's delayed values) is recorded only after a whole forward, so a "
+            "rejected guess cannot be rolled back",
 }
 
 
 class Unsupported(ValueError):
     """hf_specdec cannot run this model in this mode exactly; the message says why and what to use instead."""
+
+
+def _whisper_long_form(model, inputs) -> str | None:
+    """Why Whisper's generate() would not hand hf_specdec this call whole: audio past one 30-s window is
+    transcribed window by window (long-form), each window's call conditioned on the previous one's text, with
+    temperature fallback over whole windows; None for short-form audio (one window: one call of
+    ``GenerationMixin.generate``)."""
+    frames = model.config.max_source_positions * 2  # the encoder's two convolutions: stride 1, then 2
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 3 and inputs.shape[-1] > frames:
+        return (f"its input_features have {inputs.shape[-1]} frames, more than one {frames}-frame window, which "
+                "Whisper's generate() transcribes window by window (long-form); hf_specdec runs short-form audio "
+                "(one window, up to 30 s). Use plain generate() for long-form audio, or split it into windows")
+    return None
+
+
+# Classes whose own generate() prepares its inputs and then hands the call, its keyword arguments included
+# (custom_generate), to ``GenerationMixin.generate``: hf_specdec runs inside it. Each entry says why a call cannot
+# run so (None: it can), from the model and the call's main input.
+ROUTED_GENERATE = {WhisperGenerationMixin.generate: _whisper_long_form}
+
+
+def check_own_generate(model, inputs) -> None:
+    """Raise ``Unsupported`` where ``model``'s class has its own generate() (``ROUTED_GENERATE``) and it would not
+    hand this call (main input ``inputs``) to ``GenerationMixin.generate`` whole."""
+    check = ROUTED_GENERATE.get(type(model).generate)
+    reason = None if check is None else check(model, inputs)
+    if reason is not None:
+        raise Unsupported(f"hf_specdec cannot run {type(model).__name__} on this input: {reason}.")
+
+
+def check_cache_implementation(model, kwargs: dict) -> None:
+    """Raise ``Unsupported`` before generate() runs anything (an encoder-decoder's encoder included) where the call's
+    ``cache_implementation`` asks for a static cache hf_specdec cannot speculate on: an encoder-decoder's, whose
+    cross-attention cache generate() makes static too. A decoder-only model's static cache runs in its own buffers
+    (``backends.Buffers``; ``cache.check_cache_supported`` refuses one it cannot roll back, also before any
+    forward)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    implementation = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+    if implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and is_encoder_decoder(model):
+        raise Unsupported(f"hf_specdec cannot run {type(model).__name__} with cache_implementation="
+                          f"{implementation!r}: an encoder-decoder's static caches are not supported. Use the default "
+                          "dynamic cache (no cache_implementation), or plain generate().")
+
+
+def takes(model, name: str) -> bool:
+    """Does ``model``'s forward take the loop's argument ``name`` (an encoder-decoder's decoder's: ``decoder_*``)?"""
+    return argument(model, name) in _forward_params(model)
 
 
 def _forward_params(model) -> frozenset[str]:
@@ -69,9 +133,7 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         what = "as a draft model" if role == "draft" else f"with decoding='{mode}'"
         raise Unsupported(f"hf_specdec cannot run {name} {what}: {reason}. Use {alternative} for this model.")
 
-    if model.config.is_encoder_decoder:
-        refuse("it is an encoder-decoder model (hf_specdec decodes decoder-only models)")
-    if type(model).generate is not GenerationMixin.generate:
+    if type(model).generate is not GenerationMixin.generate and type(model).generate not in ROUTED_GENERATE:
         refuse("its class has its own generate() (multi-stream or multimodal decoding), which hf_specdec would bypass")
     if hasattr(type(model), "_supports_default_dynamic_cache") and not type(model)._supports_default_dynamic_cache():
         refuse("it keeps a cache or recurrent state of its own, which cannot roll back rejected guesses")
@@ -92,7 +154,9 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         reason = ("its recurrent (state-space / linear-attention) state cannot be rolled back to the accepted guess"
                   if recurrent else f"its cache layers ({', '.join(missing)}) cannot be rolled back exactly")
         refuse(reason)
-    if rows > 1 and "position_ids" not in params and _embeds_positions(model):
+    if rows > 1 and not takes(model, "position_ids") and (_embeds_positions(model) or model.config.is_encoder_decoder):
+        # (an encoder-decoder's decoder without decoder_position_ids: learned positions by column, BART/Marian, or
+        # a relative bias by column distance, T5)
         refuse(f"it takes no position ids, so a token's position is its cache column (as in plain generate), and the "
                f"{rows} rows of a batch advance by different numbers of tokens per round, which would put a row's "
                "later tokens at other columns than plain's (one prompt at a time works)")
@@ -111,7 +175,12 @@ def tree_refusal(model) -> str | None:
     >>> tree_refusal(tiny_model("llama", seed=0)) is None
     True
     """
-    if "position_ids" not in _forward_params(model):
+    # one state per row: the first reason, as no mask or position ids would help (recurrent layers)
+    straight = sorted(kind for kind in set(cache_layer_kinds(model) or ())
+                      if backend_named(kind) is not None and not backend_named(kind).branches)
+    if straight:
+        return f"its cache layers ({', '.join(straight)}) keep one state per row, which cannot follow several branches"
+    if not takes(model, "position_ids"):
         return ("it derives positions from the cache length, so the branches of a trie cannot sit at their own "
                 "positions")
     if not getattr(type(model), "_supports_attention_backend", False):
@@ -121,10 +190,6 @@ def tree_refusal(model) -> str | None:
     other = sorted(set(layer_types) - TREE_LAYER_TYPES)
     if other:
         return f"its layers of type {', '.join(other)} take masks hf_specdec does not build"
-    straight = sorted(kind for kind in set(cache_layer_kinds(model) or ())
-                      if backend_named(kind) is not None and not backend_named(kind).branches)
-    if straight:
-        return f"its cache layers ({', '.join(straight)}) keep one state per row, which cannot follow several branches"
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     if attention not in ("sdpa", "eager"):
         return (f"attn_implementation={attention!r} cannot take a custom 4-D attention mask (load the model with "

@@ -52,7 +52,9 @@ def test_the_families_that_matter_are_exact_past_the_sliding_window(rows):
     # (Bloom: no position ids, a bias of its own) reads no trie, so lookahead runs chains there
     assert status[("camembert", "lookahead")] == "exact"
     assert status[("bloom", "speculative_random")] == "exact" and status[("bloom", "lookahead")] == "exact"
-    assert status[("mamba", "speculative_self")] == "refused"
+    # recurrent and hybrid models (one state per row, restored per row): chains in both modes
+    for arch in ("mamba", "falcon_h1", "jamba", "qwen3_next"):
+        assert all(status[(arch, mode)] == "exact" for mode in arch_sweep.MODES), arch
     assert status[("openai-gpt", "speculative_self")] == "refused"
 
 

@@ -27,6 +27,7 @@ SMOKE_RUNS = {  # script: its smoke runs' arguments, one list per run, in order 
     "batch.py": [["--tiny", "--json", "OUT"]],
     "packed.py": [["--tiny", "--json", "OUT"]],
     "tiny_regime.py": [["--tiny", "--out", "OUT"]],
+    "static_cache.py": [["--tiny", "--out", "OUT"]],
 }
 
 NO_SMOKE_RUN = {  # bench/*.py without one, and why
@@ -89,6 +90,10 @@ def verdicts(script: str, out: Path) -> list[tuple[str, int, bool]]:
         report = json.loads((out / "tiny_regime.json").read_text())
         return [(mode, entry["tokens"], entry["identical"] == report["args"]["prompts"])
                 for mode, entry in report["modes"].items()]
+    if script == "static_cache.py":
+        report = json.loads((out / "static_cache.json").read_text())
+        return [(f"B={batch} {mode}", entry["tokens"], _fraction_all(entry["rows_equal_to_plain"]))
+                for batch, modes in report["results"].items() for mode, entry in modes.items()]
     raise AssertionError(f"no reader for bench/{script}'s report: add one to verdicts()")
 
 

@@ -251,15 +251,17 @@ def test_the_padding_after_an_early_stop_gets_the_rows_token_types(name):
 
 
 @pytest.mark.parametrize("name", ["speculative", "lookahead"])
-def test_a_static_cache_is_refused_before_any_forward(llama_pair, name):
-    """What stays refused names the input and what to do, before the target runs anything."""
+def test_a_short_static_cache_is_refused_before_any_forward(llama_pair, name):
+    """What stays refused names the input and what to do, before the target runs anything (a static cache runs
+    where it holds the call: tests/test_static_cache.py)."""
     model, draft = llama_pair
-    static, full = StaticCache(config=model.config, max_cache_len=64), prefilled(model, PROMPT, torch.ones_like(PROMPT),
+    static, full = StaticCache(config=model.config, max_cache_len=16), prefilled(model, PROMPT, torch.ones_like(PROMPT),
                                                                                 12)
     calls = []
     handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
-        with pytest.raises(ValueError, match=r"got StaticCache\. .*Pass cache=DynamicCache\(config=model\.config\)"):
+        with pytest.raises(ValueError, match=r"the static cache holds 16 columns and the call needs 23 .*Pass a "
+                                             r"StaticCache whose max_cache_len holds the call"):
             model.generate(PROMPT, cache=static, max_new_tokens=NEW, do_sample=False, **mode(name, draft))
         with pytest.raises(ValueError, match=r"The cache passed in already holds 12 columns, and input_ids has 12: "
                                              r"nothing of the prompt is left to read\. Pass input_ids with at least"):

@@ -21,9 +21,10 @@ def test_beam_search_through_the_callable(model, prompt):
                        max_new_tokens=3)
 
 
-def test_static_cache(model, prompt):
-    with pytest.raises(ValueError, match="DynamicCache"):
-        model.generate(prompt, assistant_model=model, cache_implementation="static", max_new_tokens=3)
+def test_offloaded_static_cache(model, prompt):
+    """A static cache runs (tests/test_static_cache.py); an offloaded one is refused."""
+    with pytest.raises(ValueError, match=r"got StaticCache \(offloaded\)\. .*Pass cache=DynamicCache"):
+        model.generate(prompt, assistant_model=model, cache_implementation="offloaded_static", max_new_tokens=3)
 
 
 def test_stop_strings_without_tokenizer(model, prompt):

@@ -280,22 +280,6 @@ class CountAllForwards:
         self.handle.remove()
 
 
-@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
-def test_an_encoder_decoder_model_is_refused_before_its_encoder_runs(prompt, mode):
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    torch.manual_seed(0)
-    bart = hf_specdec.enable(BartForConditionalGeneration(BartConfig(
-        vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval())
-    routed = dict(assistant_model=bart) if mode == "speculative" else dict(decoding="lookahead")
-    with CountAllForwards() as forwards, pytest.raises(
-            hf_specdec.support.Unsupported, match=rf"cannot run BartForConditionalGeneration \(bart\) with "
-                                                  rf"decoding='{mode}': it is an encoder-decoder model"):
-        bart.generate(prompt, max_new_tokens=4, do_sample=False, **routed)
-    assert forwards.count == 0  # generate() would have run the encoder before a refusal from the callable
-
-
 def test_a_typo_is_left_to_generates_own_validation(llama, prompt):
     with pytest.raises(ValueError, match=r"The following `model_kwargs` are not used by the model: \['atention_mask'\]"):
         llama.generate(prompt, atention_mask=torch.ones_like(prompt), max_new_tokens=4, decoding="lookahead")

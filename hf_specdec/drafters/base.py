@@ -85,8 +85,9 @@ class DraftKind(enum.Enum):
 class DraftCall:
     """What one call gives the drafter it drafts with: the target, the call's logits processors and sampling,
     the target's vocabulary (guesses are over it), the draft's narrow output layer (``SpecConfig.draft_vocab_size``),
-    the special token ids it always keeps, the padding id, the draft model's other inputs (``inputs.py``), and
-    whether prompt lookup follows a draft model's chain (``SpecConfig.history_lookup``)."""
+    the special token ids it always keeps, the padding id, the draft model's other inputs (``inputs.py``),
+    whether prompt lookup follows a draft model's chain (``SpecConfig.history_lookup``), and the caller's batch
+    size (``batch``: its processors keep a value per row, ``processors.process_rows``)."""
 
     target: torch.nn.Module
     logits_processor: LogitsProcessorList
@@ -97,6 +98,7 @@ class DraftCall:
     pad_token_id: int = 0
     model_inputs: ModelInputs = NO_INPUTS
     history_lookup: bool = False
+    batch: int = 1
 
 
 class DraftSource(Protocol):

@@ -36,6 +36,7 @@ from transformers import LogitsProcessorList
 from .. import cache as kv
 from ..inputs import NO_INPUTS, ModelInputs
 from ..layout import BatchInputs, RoundLayout, stack_layouts
+from ..processors import process_rows
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 from ..verify import greedy_choice
 from . import draft_tree
@@ -100,7 +101,9 @@ class DraftModelDrafter(Drafter):
         special_token_ids: tuple[int, ...] = (),
         pad_token_id: int = 0,
         model_inputs: ModelInputs = NO_INPUTS,  # the draft's other inputs (``inputs.py``): token types, images
+        batch: int = 1,  # the caller's rows: its processors are called over them (``processors.process_rows``)
     ) -> None:
+        self.batch = batch
         self.model = draft_model
         self.inputs = model_inputs
         self.logits_processor = logits_processor
@@ -195,10 +198,16 @@ class DraftModelDrafter(Drafter):
             row.extend(row_slots)
         return slots, self._over_vocab(written.logits)
 
-    def _distribution(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The processed draft distribution [V] after ``prefix`` [L] (the row's tokens and the node's path)."""
-        scores = self.logits_processor(prefix[None], logits[None]) if self.logits_processor else logits[None]
-        return torch.softmax(scores.float(), dim=-1)[0]
+    def _scores(self, row: int, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The processed draft scores [1, V] after ``prefix`` [L] (the row's tokens and the node's path) of the
+        caller's row ``row``, as the target's are processed (``processors.process_rows``)."""
+        if not self.logits_processor:
+            return logits[None]
+        return process_rows(self.logits_processor, self.batch, [(row, prefix, logits)])[0][None]
+
+    def _distribution(self, row: int, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The processed draft distribution [V] after ``prefix`` [L] of the caller's row ``row``."""
+        return torch.softmax(self._scores(row, prefix, logits).float(), dim=-1)[0]
 
     def _readable(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` with those the draft has no embedding for replaced by padding."""
@@ -241,8 +250,7 @@ class DraftModelDrafter(Drafter):
             logits = self._logits(feeds)  # [B, V]
             next_feeds = []
             for r, plan in enumerate(plans):
-                scores = self.logits_processor(ids[r][None], logits[r: r + 1]) if self.logits_processor else \
-                    logits[r: r + 1]
+                scores = self._scores(views[r].row, ids[r], logits[r])  # [1, V]
                 draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
                 token = torch.multinomial(draft_probs, 1)[0] if self.do_sample else greedy_choice(scores)  # [1]
                 if drafting[r]:
@@ -272,8 +280,8 @@ class DraftModelDrafter(Drafter):
         the root distributions, then one forward per depth over the frontier."""
         shapes = [draft_tree.row_shape(plan) for plan in plans]
         logits = self._logits(feeds)  # [B, V] after each row's last committed token
-        trees = [draft_tree.GrownTree(distributions={-1: self._distribution(row_ids, row_logits)})
-                 for row_ids, row_logits in zip(ids, logits)]
+        trees = [draft_tree.GrownTree(distributions={-1: self._distribution(row, row_ids, row_logits)})
+                 for row, row_ids, row_logits in zip(self.rows, ids, logits)]
         self._caught_up = [len(row) for row in self._written]
         self._node_slots = [{} for _ in plans]
         roots = [row[-1] for row in self._written]
@@ -282,9 +290,8 @@ class DraftModelDrafter(Drafter):
         def read(frontiers: list[list[tuple[int, int, int]]]) -> list[tuple[list[int], torch.Tensor]]:
             slots, node_logits = self._read_nodes([[(token, slot) for _, token, slot in row] for row in frontiers],
                                                   roots)
-            return [(row_slots, [self._distribution(torch.cat([row_ids, torch.tensor(tree.path(node),
-                                                                                     device=row_ids.device)]),
-                                                    node_logits[r, i]) for i, (node, _, _) in enumerate(row)])
+            return [(row_slots, [self._distribution(self.rows[r], torch.cat([row_ids, torch.tensor(
+                tree.path(node), device=row_ids.device)]), node_logits[r, i]) for i, (node, _, _) in enumerate(row)])
                     for r, (row, row_slots, row_ids, tree) in enumerate(zip(frontiers, slots, ids, trees))]
 
         steps = ((1, first), *draft_tree.grow(trees, shapes, roots, read, self.do_sample))
@@ -347,7 +354,7 @@ def chained(drafter_class: type[DraftModelDrafter], model, call: DraftCall) -> C
     """A ``drafter_class`` over ``model`` for ``call``, followed by prompt lookup where the call asks for it."""
     drafter = drafter_class(model, call.logits_processor, do_sample=call.do_sample, vocab_size=call.vocab_size,
                             draft_vocab_size=call.draft_vocab_size, special_token_ids=call.special_token_ids,
-                            pad_token_id=call.pad_token_id, model_inputs=call.model_inputs)
+                            pad_token_id=call.pad_token_id, model_inputs=call.model_inputs, batch=call.batch)
     return ChainDrafter(drafter, PerRow(PromptLookupDrafter) if call.history_lookup else None)
 
 
