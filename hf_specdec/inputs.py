@@ -66,12 +66,14 @@ SUPPLIED = frozenset({"input_ids", "attention_mask", "position_ids", "cache", "p
                       "logits_to_keep", "cache_position", "return_dict", "output_attentions", "output_hidden_states",
                       "next_sequence_length"})
 # The per-token inputs: one value per token along dimension 1 ([B, P], or [B, P, ...]: IDEFICS' image_attention_mask
-# [B, P, images], the images each token attends to), sliced to the new tokens by ``prepare_inputs_for_generation``
-# (as are the positions); the value of a new token is what the model's own step gives it (``from_generate``).
-PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids", "image_attention_mask"})
+# [B, P, images], the images each token attends to; Mllama's cross_attention_mask [B, P, images, tiles]), sliced to
+# the new tokens by ``prepare_inputs_for_generation`` (as are the positions); the value of a new token is what the
+# model's own step gives it (``from_generate``: both models grow their mask by a copy of its last row).
+PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids", "image_attention_mask",
+                       "cross_attention_mask"})
 # per-token inputs that tie each token to the images it attends to: a model that takes one reads its images by
 # cross-attention and reads no prompt without them (``for_draft``)
-IMAGE_BOUND = frozenset({"image_attention_mask"})
+IMAGE_BOUND = frozenset({"image_attention_mask", "cross_attention_mask"})
 EMBEDS = "inputs_embeds"
 # model types whose forward builds the per-layer-type masks (full, sliding) from the one mask it is given and hands
 # a 4-D one to every layer as it is: they take one 4-D mask, never a mapping of them (``cache.KVStore``)
@@ -108,6 +110,21 @@ def _grown(value: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class CallerPrompt:
+    """The caller's prompts as laid out, which a model whose inputs are tied to that layout (images: Llava's
+    placeholder tokens, IDEFICS' ``image_attention_mask`` rows, multimodal RoPE positions) reads at its prefill as
+    the target reads them: every column, padding and holes masked. A draft model's own batch would otherwise hold
+    only the attended tokens (``DraftModelDrafter``), which no longer line up with its image inputs.
+
+    input_ids: [B, P]; mask: [B, P] (None: all ones); positions: [B or 1, P] the caller's text positions (None:
+    ``cumsum(mask) - 1``, as plain derives them)."""
+
+    input_ids: torch.LongTensor
+    mask: torch.Tensor | None = None
+    positions: torch.LongTensor | None = None
+
+
+@dataclass(frozen=True)
 class ModelInputs:
     """The extra inputs of one call's forwards (module docstring). Per-row tensors are in the batch's row order
     (``select_rows`` follows the rows that finish).
@@ -126,6 +143,8 @@ class ModelInputs:
     its outputs (``StepMaker``, ``after_prefill``); None once they are made.
     encoder: the encoder states every forward of an encoder-decoder's decoder (or of a decoder reading another
     model's encoder) cross-attends to (``encoder_decoder.EncoderStates``), in the batch's row order; None for others.
+    layout: the caller's prompts as laid out, for a draft model whose inputs are tied to that layout (``laid_out``:
+    its images): it reads them so at its prefill, as the target does (``CallerPrompt``); None for others.
     """
 
     prefill: Mapping[str, Any] = field(default_factory=lambda: NO_KWARGS)
@@ -138,6 +157,7 @@ class ModelInputs:
     grouped: frozenset[str] = frozenset()
     awaiting: "StepMaker | None" = None
     encoder: Any = None
+    layout: "CallerPrompt | None" = None
 
     @property
     def empty(self) -> bool:
@@ -147,8 +167,8 @@ class ModelInputs:
     @property
     def laid_out(self) -> bool:
         """Are these inputs tied to the caller's prompt batch as laid out (images, [K, B, P] positions, a prompt's
-        embeddings), so that a model reads its prompt in that layout (``relaid`` keeps them as they are)? Per-token
-        inputs alone follow any layout."""
+        embeddings), so that a model reads its prompt in that layout (a draft model: ``layout``; ``relaid`` keeps
+        them as they are)? Per-token inputs alone follow any layout."""
         return self.prompt_positions is not None or any(name not in PER_TOKEN for name in self.prefill)
 
     @property
@@ -213,7 +233,8 @@ class ModelInputs:
         if self.empty:
             return self
         return dataclasses.replace(
-            self, prefill=NO_KWARGS, prompt_positions=None, prompt_valid=None, rows=int(index.shape[0]),
+            self, prefill=NO_KWARGS, prompt_positions=None, prompt_valid=None, layout=None,
+            rows=int(index.shape[0]),
             offsets=None if self.offsets is None else self.offsets[..., index.to(self.offsets.device), :],
             step_tokens={name: value[index.to(value.device)] for name, value in self.step_tokens.items()},
             step_constant={name: _rows_of(value, index, self.rows, name in self.grouped)
@@ -223,15 +244,17 @@ class ModelInputs:
     def for_draft(self, draft_model) -> "ModelInputs":
         """What a draft model's forwards get of these: the per-token inputs its forward takes (a text-only draft
         reads the images' placeholder ids at text positions; images encoded for the target are not its inputs: a
-        multimodal draft gets its own, ``from_generate``)."""
+        multimodal draft gets its own, ``from_generate``, and reads the caller's layout, ``CallerPrompt``). Raises
+        ``UnsupportedInput`` for a draft that reads its images by cross-attention (``IMAGE_BOUND``): it cannot read
+        a prompt as text."""
         takes = frozenset(inspect.signature(type(draft_model).forward).parameters)
         bound = sorted(IMAGE_BOUND & takes & (set(self.prefill) | set(self.step_tokens)))
         if bound:
             raise UnsupportedInput(
                 f"hf_specdec cannot run the draft model ({type(draft_model).__name__}) on this prompt: it reads "
-                f"images through {bound[0]}, and here it would read the prompt as text (its own image inputs "
-                "were not passed, or the prompt's attention_mask has holes or pads every row), which it cannot do "
-                "without images. Pass a mask without holes (left padding with one whole row is fine), use a "
+                f"images through {bound[0]}, and here it would read the prompt as text (a cache passed in holds "
+                "the prompt's first tokens, which the draft has not read, or its own image inputs were not passed), "
+                "which it cannot do without images. Pass the whole prompt with its images and no cache, use a "
                 "text-only draft model, or decoding='lookahead'.")
         tokens = {name: value for name, value in self.step_tokens.items() if name in takes}
         if not tokens:

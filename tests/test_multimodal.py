@@ -121,9 +121,8 @@ def test_a_text_only_draft(name, batch, request):
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
 def test_llava_with_a_mask_over_an_image_token_equals_plain_generate(llava, mode):
     """A mask that hides one of the image tokens (transformers' testers' ``tril`` masks hide all but the first
-    column): plain reads every id, the image's placeholders included. A draft model reads only the unmasked ids,
-    which no longer hold every placeholder of the image, so it reads them as text; the target still reads the
-    image where plain does."""
+    column): plain reads every id, the image's placeholders included. The target reads the image where plain does,
+    and so does the multimodal draft: it reads the caller's layout, mask included."""
     ids, kwargs = llava_inputs(1)
     kwargs["attention_mask"] = torch.tensor([[1, 0, 1, 1] + [1] * 6])
     routed = (dict(assistant_model=perturbed_copy(llava, 0.1, relative=True), spec_config=FIXED)
@@ -205,12 +204,22 @@ def test_qwen2_vl_rows_that_stop_take_their_positions_along(qwen2_vl, mode):
     assert out[0, width + 1] == STOP and bool((out[0, width + 2:] == PAD).all()) and STOP not in out[1, width:]
 
 
+@pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
-def test_a_multimodal_draft_reads_the_images_at_their_positions(name, request):
+def test_a_multimodal_draft_reads_the_images_at_their_positions(name, holes, request):
     """A draft with the target's own weights reads the images and their positions as the target does: the target
-    keeps every token it drafts (reading the placeholder ids instead, it would not)."""
+    keeps every token it drafts (reading the placeholder ids instead, it would not). With holes in the mask (in
+    the text; Llava's also over an image token and row 1's first column, so that no row is whole: Qwen2-VL's own
+    rope index takes neither) the draft reads the prompts in the caller's layout, as the target does."""
     target = request.getfixturevalue(name)
     ids, kwargs = (llava_inputs if name == "llava" else qwen2_vl_inputs)(2)
+    if holes:
+        mask = kwargs["attention_mask"].clone()
+        mask[0, -3], mask[1, -2] = 0, 0
+        if name == "llava":
+            mask[0, (ids[0] == IMAGE).nonzero()[1]] = 0
+            mask[1, (mask[1] == 1).nonzero()[0]] = 0
+        kwargs = dict(kwargs, attention_mask=mask)
     stats = _check(target, ids, kwargs, dict(assistant_model=copy.deepcopy(target), spec_config=FIXED),
                    "speculative")
     assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
@@ -355,19 +364,112 @@ def test_idefics_rows_that_stop_leave_their_images(idefics, mode):
     assert out[0, ids.shape[1] + 1] == IDEFICS_STOP and IDEFICS_STOP not in out[1, ids.shape[1]:]
 
 
-def test_an_idefics_draft_that_would_read_text_is_refused_before_any_forward(idefics):
-    """A mask with a hole has a draft model read the prompt as text, which an IDEFICS draft cannot do without its
-    images: refused before any forward, naming the input and the ways out. Lookahead takes the same mask."""
+# masks with holes and padding, as transformers' IDEFICS testers pass them (their ``tril`` masks hide all but a
+# row's first columns): row 0 with a hole, row 1 padded with a hole; every row padded; only each row's first tokens
+IDEFICS_MASKS = {
+    "a_hole": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 1, 1, 1]]),
+    "every_row_padded": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]]),
+    "first_tokens_only": torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0]]),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mask", sorted(IDEFICS_MASKS))
+def test_an_idefics_draft_reads_the_callers_layout(idefics, mask, batch):
+    """An IDEFICS draft reads its images by cross-attention, each token's through its ``image_attention_mask`` row:
+    it reads the prompts as the target does, every column, padding and holes masked, so its tokens' image rows are
+    the caller's. A draft with the target's weights then has every drafted token kept; plain's tokens either way."""
+    ids, kwargs = idefics_inputs(batch, mask=IDEFICS_MASKS[mask])
+    stats = _check(idefics, ids, kwargs, dict(assistant_model=copy.deepcopy(idefics), spec_config=FIXED),
+                   "speculative")
+    assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
+    _check(idefics, ids, kwargs, dict(assistant_model=perturbed_copy(idefics, 0.1, relative=True),
+                                      spec_config=FIXED), "speculative")
+
+
+def test_an_idefics_draft_whose_row_stops_at_its_first_token_reads_the_others(idefics):
+    """Row 0 emits its end token first (a row the loop drops before the draft reads anything): the draft reads
+    both prompts in the caller's layout, then keeps row 1's images only."""
+    ids, kwargs = idefics_inputs(2, mask=IDEFICS_MASKS["a_hole"])
+    first = type(idefics).generate(idefics, ids, max_new_tokens=1, do_sample=False, pad_token_id=PAD, **kwargs)
+    stop = int(first[0, -1])
+    assert stop not in first[1, ids.shape[1]:]
+    stats = _check(idefics, ids, dict(kwargs, eos_token_id=stop),
+                   dict(assistant_model=copy.deepcopy(idefics), spec_config=FIXED), "speculative")
+    assert stats.accepted == stats.drafted - stats.lookup_drafted, stats
+
+
+def test_an_idefics_draft_after_a_cache_passed_in_is_refused_before_any_forward(idefics):
+    """With a cache passed in and ``input_ids`` the tokens after it, the draft has not read the prompt's first
+    tokens and could read the rest only as text, which an IDEFICS draft cannot do without its images: refused
+    before any forward, naming the input and the ways out."""
+    from transformers import DynamicCache
+
     from tests.test_inputs import CountAllForwards
 
-    holed = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])
-    ids, kwargs = idefics_inputs(1, mask=holed)
-    draft = perturbed_copy(idefics, 0.1, relative=True)
+    ids, kwargs = idefics_inputs(1, mask=IDEFICS_MASKS["a_hole"])
+    cache = DynamicCache(config=idefics.config)
+    with torch.no_grad():
+        idefics(input_ids=ids[:, :4], attention_mask=kwargs["attention_mask"][:, :4], cache=cache,
+                pixel_values=kwargs["pixel_values"], image_attention_mask=kwargs["image_attention_mask"][:, :4])
+    kwargs = dict(kwargs, image_attention_mask=kwargs["image_attention_mask"][:, 4:])
     with CountAllForwards() as forwards, pytest.raises(
             hf_specdec.inputs.UnsupportedInput,
             match=r"cannot run the draft model \(IdeficsForVisionText2Text\) on this prompt: it reads images through "
-                  r"image_attention_mask.*text-only draft model, or decoding='lookahead'"):
-        idefics.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, assistant_model=draft,
-                         spec_config=FIXED, **kwargs)
+                  r"image_attention_mask.*a cache passed in.*text-only draft model, or decoding='lookahead'"):
+        idefics.generate(ids[:, 4:], max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, cache=cache,
+                         assistant_model=copy.deepcopy(idefics), spec_config=FIXED, **kwargs)
     assert forwards.count == 0
-    _check(idefics, ids, kwargs, modes(idefics)["lookahead"], "lookahead")
+
+
+def test_an_idefics_draft_grows_trees_over_a_mask_with_holes(idefics, monkeypatch):
+    """Draft-model trees: the draft reads the caller's layout, then every node attends to its row's last images."""
+    ids, kwargs = idefics_inputs(2, mask=IDEFICS_MASKS["a_hole"])
+    draft = copy.deepcopy(idefics)
+    signature = inspect.signature(idefics.forward)
+    charged(monkeypatch, idefics, draft)
+    idefics.forward.__signature__ = signature  # generate() checks the image inputs against it
+    stats = _check(idefics, ids, kwargs, dict(assistant_model=draft, spec_config=TREE,
+                                              speculative_memory=paying(draft)), "speculative")
+    assert_every_drafting_round_was_a_tree(stats)
+
+
+# -- Mllama: images in the text cache's cross-attention layers, each token's through cross_attention_mask -----------
+@pytest.fixture(scope="module")
+def mllama():
+    """transformers' Mllama tester's config: one image of 4 tiles (904 vision tokens), cross-attention at layer 1."""
+    from transformers import MllamaConfig, MllamaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                intermediate_size=37, hidden_act="gelu", max_position_embeddings=512,
+                rope_parameters={"rope_type": "default"}, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                cross_attention_layers=[1])
+    vision = dict(image_size=30, patch_size=2, num_channels=3, hidden_size=16, intermediate_layers_indices=[0],
+                  vision_output_dim=32, projection_dim=32, num_hidden_layers=2, num_global_layers=2,
+                  num_attention_heads=4, intermediate_size=37,
+                  supported_aspect_ratios=[[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]])
+    config = MllamaConfig(text_config=text, vision_config=vision, image_token_index=4)
+    return _plain_config(MllamaForConditionalGeneration(config).eval())
+
+
+def test_mllamas_cross_attention_mask_grows_as_plain_grows_it_and_stays_refused(mllama):
+    """Every new token gets its row's last ``cross_attention_mask`` row, as Mllama's own update grows it (a per-token
+    input). The call stays refused before any forward, for the cache the mask goes with: the text cache's
+    cross-attention layers hold the images' keys, which the store would cut back with the text columns."""
+    from tests.test_inputs import CountAllForwards
+
+    ids = torch.tensor([[7, 4, 11, 12, 13, 14, 15, 16], [PAD, PAD, 5, 4, 42, 8, 23, 61]])
+    crossed = torch.zeros(2, 8, 1, 4)
+    crossed[0, 1:, 0], crossed[1, 3:, 0, :2] = 1, 1
+    kwargs = dict(pixel_values=torch.randn(2, 1, 4, 3, 30, 30, generator=torch.Generator().manual_seed(0)),
+                  aspect_ratio_ids=torch.tensor([[6], [5]]),
+                  aspect_ratio_mask=torch.tensor([[[1] * 4], [[1, 1, 0, 0]]]),
+                  cross_attention_mask=crossed, attention_mask=torch.tensor([[1] * 8, [0, 0] + [1] * 6]))
+    steps = hf_specdec.inputs.ModelInputs.from_generate(mllama, ids, dict(kwargs, use_cache=True))
+    assert torch.equal(steps.step(3)["cross_attention_mask"], crossed[:, -1:].expand(-1, 3, -1, -1))
+    with CountAllForwards() as forwards, pytest.raises(
+            ValueError, match=r"cannot pass cross_attention_mask to the model as plain generate\(\) does: the model "
+                              r"\(Mllama\) keeps the images' keys and values in its text cache"):
+        mllama.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, decoding="lookahead", **kwargs)
+    assert forwards.count == 0
