@@ -15,7 +15,16 @@ decoder-only model:
 - a draft model reads the encoder states too: a decoder-only draft that takes ``encoder_outputs`` shares the
   target's (``EncoderReading.SHARED``: distil-whisper, whose encoder is the target's), an encoder-decoder draft
   runs its own encoder once on the call's encoder input (``draft_states``), and any other causal LM drafts from
-  the decoder tokens alone.
+  the decoder tokens alone;
+- with ``return_dict_in_generate`` the call returns what plain returns (``generate_output``): the encoder's hidden
+  states and attentions from its one run, and per step the decoder's (``recorded``: a forward's ``decoder_*``) and
+  the cross-attentions, each step's query row [B, heads, 1, S] split from the verify forward along the query
+  dimension (``loop.Step``);
+- a batch's rows advance at their own pace, each at its own positions: a decoder that takes
+  ``decoder_position_ids`` (Whisper) gets them; one that reads positions only as column distances
+  (``positions_are_distances``: T5's relative bias) gets each row's tokens laid out at plain's distances after
+  every keep (``cache.KVStore._alignment``); one that numbers its tokens by cache column (BART's learned
+  positions) runs one prompt at a time (``support.check_supported``).
 
 Worked example (the decoder's argument names; a decoder-only model keeps the loop's):
 
@@ -50,8 +59,16 @@ REFUSED_DECODER_INPUTS = MappingProxyType({
     "decoder_head_mask": "a decoder head mask",
     "cross_attn_head_mask": "a cross-attention head mask",
 })
-# output flags plain generate() returns per decoder step that the loop does not split from its verify forwards
-REFUSED_FLAGS = ("output_hidden_states", "output_attentions")
+# model types whose decoder places its tokens by column distance alone: T5's relative attention bias
+# (``compute_bias``) reads key column - query column, a query sitting at the cache's length + its index among the
+# forward's inputs; no absolute position anywhere. (Switch Transformers has the same bias, but its experts' capacity
+# counts a forward's tokens, so a forward over several tokens is not several one-token steps.)
+DISTANCE_POSITIONED = frozenset({"t5", "mt5", "umt5", "longt5"})
+# a forward output's names for what a ``cache.Recording`` asks (hidden states, self-attentions, cross-attentions):
+# an encoder-decoder's (``Seq2SeqLMOutput``), a decoder-only model's (its cross-attentions: a decoder reading
+# another model's encoder, WhisperForCausalLM)
+RECORDED_NAMES = MappingProxyType({True: ("decoder_hidden_states", "decoder_attentions", "cross_attentions"),
+                                   False: ("hidden_states", "attentions", "cross_attentions")})
 
 
 class EncoderReading(enum.Enum):
@@ -75,6 +92,14 @@ def reads_encoder(model) -> bool:
     return isinstance(model, torch.nn.Module) and "encoder_outputs" in _forward_params(type(model))
 
 
+def positions_are_distances(model) -> bool:
+    """Does ``model``'s decoder read its tokens' positions only as distances between cache columns
+    (``DISTANCE_POSITIONED``)? Then a row's tokens may sit at any columns whose distances to each other and to
+    the row's next inputs are those plain ``generate`` gives them (``cache.KVStore``: each row's tokens as plain
+    lays them out, the next inputs of every row at the same column), whatever the other rows of a batch hold."""
+    return getattr(getattr(model, "config", None), "model_type", None) in DISTANCE_POSITIONED
+
+
 def argument(model, name: str) -> str:
     """``model``'s forward argument for the loop's ``name`` (module docstring)."""
     return DECODER_ARGUMENTS.get(name, name) if is_encoder_decoder(model) else name
@@ -88,6 +113,11 @@ class EncoderStates:
     hidden: torch.Tensor
     mask: torch.Tensor | None
     reading: EncoderReading = EncoderReading.OWN
+    # the encoder run's own outputs, whole batch, that plain generate() returns as encoder_hidden_states /
+    # encoder_attentions (None where the encoder was not asked for them); decoder forwards never read them, and a
+    # row selection leaves them out
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """The forward arguments that carry them."""
@@ -119,17 +149,17 @@ def check_inputs(model, model_kwargs: Mapping[str, Any]) -> None:
                               "plain generate().")
 
 
-def check_flags(model, flags: Mapping[str, bool]) -> None:
-    """Refuse the output flags whose per-step entries (the decoder's hidden states and attentions, the
-    cross-attentions, the encoder's) hf_specdec does not return for an encoder-decoder yet."""
-    from .support import Unsupported
-
-    asked = [flag for flag in REFUSED_FLAGS if flags.get(flag)]
-    if asked:
-        raise Unsupported(f"hf_specdec does not return {' / '.join(asked)} of an encoder-decoder "
-                          f"({type(model).__name__}: decoder_hidden_states, decoder_attentions, cross_attentions, "
-                          "encoder_*) yet; drop them (scores and logits are returned), or use plain generate() "
-                          "for them.")
+def recorded(model, output, hidden_states: bool, attentions: bool) -> dict[str, tuple | None]:
+    """What a forward of ``model`` returned that a ``cache.Recording`` asked for, under ``cache.ForwardResult``'s
+    names: ``hidden_states`` (embeddings, then each layer), ``attentions`` (the self-attention weights per layer),
+    and ``cross_attentions`` (per layer [B, heads, n, S] over the encoder's S columns; None for a model that reads
+    no encoder), each None where not asked, attentions () where the kernel returns none (sdpa), as plain
+    ``generate`` returns them. An encoder-decoder's output names them ``decoder_*``."""
+    hidden_name, attention_name, cross_name = RECORDED_NAMES[is_encoder_decoder(model)]
+    cross = reads_encoder(model) and attentions
+    return dict(hidden_states=tuple(output[hidden_name]) if hidden_states else None,
+                attentions=tuple(output.get(attention_name) or ()) if attentions else None,
+                cross_attentions=tuple(output.get(cross_name) or ()) if cross else None)
 
 
 def decoder_view(model, model_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], EncoderStates | None]:
@@ -146,7 +176,9 @@ def decoder_view(model, model_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any]
                          "encoder_outputs; call model.generate(inputs, ...) so that generate() runs the encoder.")
     hidden = encoded[0] if isinstance(encoded, (tuple, list)) else encoded.last_hidden_state
     mask = model_kwargs.get("attention_mask")
-    states = EncoderStates(hidden, mask)
+    per_layer = {name: None if isinstance(encoded, (tuple, list)) else encoded.get(name)
+                 for name in ("hidden_states", "attentions")}  # (as plain generate() reads them)
+    states = EncoderStates(hidden, mask, **per_layer)
     view = {name: value for name, value in model_kwargs.items()
             if name not in ("encoder_outputs", "attention_mask") and name not in DECODER_ARGUMENTS.values()}
     for name, decoder_name in DECODER_ARGUMENTS.items():
@@ -187,6 +219,26 @@ def draft_reads_ids_only(draft_model) -> bool:
     """Can a narrowed output layer run the draft's base model (``drafters.draft_model.SubVocabHead``)? Not for a
     model reading encoder states: its base model takes them under other names."""
     return not reads_encoder(draft_model)
+
+
+def generate_output(model, inputs, decoded, stats) -> GenerateEncoderDecoderOutput:
+    """What plain ``generate`` returns for an encoder-decoder with ``return_dict_in_generate``, from the call's
+    ``loop.DecodeInputs`` and the loop's ``loop.Decoded``: per step the scores, logits, decoder hidden states,
+    decoder attentions and cross-attentions asked for, the encoder's hidden states and attentions from its one
+    run (as plain reads them: where their flag is set), the cache, and the call's stats. A class whose own
+    generate() takes the output apart by its fields (Whisper's: ``support.ROUTED_GENERATE``) gets plain's own
+    type, which has no field for the stats (``model.last_spec_stats`` holds them)."""
+    from .support import ROUTED_GENERATE
+
+    encoder = inputs.model_inputs.encoder
+    fields = dict(sequences=decoded.sequences, scores=decoded.scores or None, logits=decoded.logits or None,
+                  encoder_hidden_states=encoder.hidden_states if inputs.output_hidden_states else None,
+                  encoder_attentions=encoder.attentions if inputs.output_attentions else None,
+                  decoder_hidden_states=decoded.hidden_states or None, decoder_attentions=decoded.attentions or None,
+                  cross_attentions=decoded.cross_attentions or None, cache=decoded.cache)
+    if type(model).generate in ROUTED_GENERATE:
+        return GenerateEncoderDecoderOutput(**fields)
+    return SpecGenerateEncoderDecoderOutput(**fields, spec_stats=stats)
 
 
 @dataclass

@@ -10,6 +10,7 @@ its reason. Sampling: a chi-square test on a tiny BART (``tests/test_sampling.py
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 
 import pytest
@@ -22,6 +23,7 @@ import hf_specdec
 from hf_specdec.encoder_decoder import EncoderReading, EncoderStates
 from hf_specdec.stats import last_spec_stats
 from hf_specdec.support import Unsupported
+from tests.clock import VirtualClock
 from tests.conftest import perturbed_copy
 from tests.test_sampling import assert_fits, assert_rejected  # one statistic for every sampling test
 
@@ -46,10 +48,12 @@ def bart(seed: int = 0, vocab: int = 96, layers: int = 2, damp: float = 0.3, **o
     return model
 
 
-def t5(seed: int = 0, layers: int = 2):
+def t5(seed: int = 0, layers: int = 2, factor: float = 8.0):
+    """A tiny T5 (``factor``: its initializer's scale; at 8 its greedy text varies, and its hidden states reach
+    ~1e3, so its outputs compare to plain's at fp32 rounding of that size; at 4 they stay near 1e1)."""
     torch.manual_seed(seed)
     config = T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=layers, num_heads=4,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=8.0)
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=factor)
     return T5ForConditionalGeneration(config).eval()
 
 
@@ -104,6 +108,28 @@ def seeded_lookahead():
     return memory
 
 
+@pytest.fixture
+def clocked(monkeypatch):
+    """``clocked(target, draft=None)``: flat virtual costs (tests/clock.py), every forward of the target 1 s
+    whatever its size and of the draft 0.01 s, so that what a call drafts (lookahead's adaptive policy) never
+    depends on this machine's timings. (``VirtualClock.charge`` counts ``input_ids``; a decoder's forward takes
+    ``decoder_input_ids``, or encoder states alone.)"""
+    clock = VirtualClock(monkeypatch)
+
+    def charge(target, draft=None):
+        for model, seconds in ((target, 1.0), (draft, 0.01)):
+            if model is not None:
+                monkeypatch.setattr(model, "forward", functools.partial(_charged, clock, seconds, model.forward))
+        return clock
+
+    return charge
+
+
+def _charged(clock: VirtualClock, seconds: float, forward, *args, **kwargs):
+    clock.now += seconds
+    return forward(*args, **kwargs)
+
+
 def plain(model, inputs, **kwargs):
     return type(model).generate(model, inputs, max_new_tokens=NEW, do_sample=False, **kwargs)
 
@@ -132,8 +158,9 @@ def test_speculative_greedy_is_plain_with_a_smaller_draft(family):
 
 
 @pytest.mark.parametrize("family", [bart, t5])
-def test_lookahead_greedy_is_plain(family):
+def test_lookahead_greedy_is_plain(family, clocked):
     target = family()
+    clocked(target)
     out = target.generate(TEXT, custom_generate=hf_specdec.lookahead_generate, lookahead_memory=seeded_lookahead(),
                           max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, plain(target, TEXT))
@@ -174,6 +201,80 @@ def test_scores_and_the_cache_are_plains():
     assert_drafted(target)
 
 
+# -- T5 batches: positions as distances -----------------------------------------------------------------------------
+BATCH = torch.tensor([[5, 17, 42, 8, 23, 61, 9, 30], [11, 12, 13, 11, 12, 14, 15, 16], [7, 3, 7, 3, 7, 3, 7, 3]])
+SCORES = dict(return_dict_in_generate=True, output_scores=True)
+
+
+def t5_batch_both_ways(target, rows: int, mode: str, clocked):
+    """(hf_specdec's output, plain's) for a greedy call over ``rows`` prompts, scores returned; the draft a
+    truncated decoder (speculative), every forward on the virtual clock."""
+    inputs = BATCH[:rows]
+    expected = plain(target, inputs, **SCORES)
+    if mode == "speculative":
+        draft = truncated(target)
+        clocked(target, draft)
+        route = dict(custom_generate=hf_specdec.speculative_generate, draft_model=draft, spec_config=FIXED)
+    else:
+        clocked(target)
+        route = dict(custom_generate=hf_specdec.lookahead_generate, lookahead_memory=seeded_lookahead())
+    return target.generate(inputs, max_new_tokens=NEW, do_sample=False, **SCORES, **route), expected
+
+
+def largest_difference(out, expected) -> float:
+    """The largest difference of a step's scores from plain's, relative to the largest of them."""
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(out.scores, expected.scores))
+
+
+def batch_t5():
+    """A T5 whose attention is not saturated (initializer scale 2), so that its relative bias moves its scores."""
+    return t5(factor=2.0)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_t5_batch_greedy_is_plain(rows, mode, clocked):
+    """T5's decoder reads positions only as column distances (its relative bias: key column - query column, the
+    query at the cache's length): rows that advance at their own pace stay exact when each keep lays every row's
+    tokens out as plain's, the next inputs of every row at one column (``KVStore._alignment``); the scores of every
+    step are plain's."""
+    target = batch_t5()
+    out, expected = t5_batch_both_ways(target, rows, mode, clocked)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert largest_difference(out, expected) < 1e-5
+    assert_drafted(target, lookahead=mode == "lookahead")
+
+
+@pytest.mark.parametrize("family", ["mt5", "umt5", "longt5"])
+def test_t5_like_batches_are_plain(family, clocked):
+    """The other models whose decoder reads positions only as column distances (``DISTANCE_POSITIONED``): a batch
+    of rows apart, speculative, is plain's, scores included."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                  num_decoder_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+                                  decoder_start_token_id=0, initializer_factor=2.0)
+    target = AutoModelForSeq2SeqLM.from_config(config).eval()
+    expected = plain(target, BATCH, **SCORES)
+    draft = perturbed_copy(target, 0.05, relative=True)
+    clocked(target, draft)
+    out = target.generate(BATCH, custom_generate=hf_specdec.speculative_generate, draft_model=draft,
+                          spec_config=FIXED, max_new_tokens=NEW, do_sample=False, **SCORES)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert largest_difference(out, expected) < 1e-5
+    assert_drafted(target)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_t5_rows_apart_read_plains_distances(mode, clocked, monkeypatch):
+    """The test above can tell: a store that leaves a row's rejected columns as masked holes (as for a model that
+    numbers tokens by column) gives that row's next inputs longer distances than plain's, and the scores move."""
+    monkeypatch.setattr(hf_specdec.cache.KVStore, "positions_are_distances", lambda self: False)
+    out, expected = t5_batch_both_ways(batch_t5(), 3, mode, clocked)
+    assert largest_difference(out, expected) > 1e-3
+
+
 # -- Whisper through its own generate() after enable(model) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def whisper_target():
@@ -209,8 +310,9 @@ def test_whisper_decoder_only_draft_reads_the_targets_encoder_states(whisper_tar
     assert all(states.data_ptr() == seen["target"][0].data_ptr() for states in seen["target"] + seen["draft"])
 
 
-def test_whisper_lookahead_greedy_is_plain(whisper_target):
+def test_whisper_lookahead_greedy_is_plain(whisper_target, clocked):
     target = copy.deepcopy(whisper_target)
+    clocked(target)
     inputs = features()
     expected = type(target).generate(target, inputs, max_new_tokens=NEW, do_sample=False)
     hf_specdec.enable(target)
@@ -235,7 +337,7 @@ def test_whisper_keeps_its_plain_processors():
     assert_drafted(target)
 
 
-def test_whisper_batch_greedy_is_plain(whisper_target):
+def test_whisper_batch_greedy_is_plain(whisper_target, clocked):
     """Whisper's decoder takes decoder_position_ids: rows that advance at their own pace stay exact, in speculative
     mode (an encoder-decoder draft, which takes them too) and lookahead. WhisperForCausalLM's forward takes no
     position ids: as a batch's draft it is refused up front."""
@@ -243,8 +345,9 @@ def test_whisper_batch_greedy_is_plain(whisper_target):
     inputs = features(rows=3, seed=1)
     expected = type(target).generate(target, inputs, max_new_tokens=NEW, do_sample=False)
     hf_specdec.enable(target)
-    out = target.generate(inputs, assistant_model=truncated(target), spec_config=FIXED, max_new_tokens=NEW,
-                          do_sample=False)
+    draft = truncated(target)
+    clocked(target, draft)
+    out = target.generate(inputs, assistant_model=draft, spec_config=FIXED, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, expected)
     assert_drafted(target)
     out = target.generate(inputs, decoding="lookahead", lookahead_memory=seeded_lookahead(), max_new_tokens=NEW,
@@ -274,24 +377,15 @@ def test_whisper_long_form_is_refused(whisper_target):
     assert not calls
 
 
-def test_a_batch_of_a_decoder_without_positions_is_refused():
-    """BART numbers its decoder tokens by cache column, T5's bias reads column distances: rows that advance at
-    their own pace would sit at other columns than plain's."""
-    for target in (bart(), t5()):
-        calls = no_forward(target)
-        hf_specdec.enable(target)
-        with pytest.raises(Unsupported, match="takes no position ids.*one prompt at a time"):
-            target.generate(TEXT.repeat(2, 1), assistant_model=truncated(target), max_new_tokens=4)
-        assert not calls
-
-
-def test_decoder_hidden_states_and_attentions_are_refused():
+def test_a_batch_of_a_decoder_numbering_tokens_by_column_is_refused():
+    """BART numbers its decoder tokens by cache column (learned positions, no position ids): rows that advance at
+    their own pace would sit at other columns than plain's. (T5 reads only distances: its batches run.)"""
     target = bart()
+    calls = no_forward(target)
     hf_specdec.enable(target)
-    for flag in ("output_hidden_states", "output_attentions"):
-        with pytest.raises(Unsupported, match=f"does not return {flag} of an encoder-decoder"):
-            target.generate(TEXT, assistant_model=truncated(target), max_new_tokens=4, return_dict_in_generate=True,
-                            **{flag: True})
+    with pytest.raises(Unsupported, match="takes no position ids.*one prompt at a time"):
+        target.generate(TEXT.repeat(2, 1), assistant_model=truncated(target), max_new_tokens=4)
+    assert not calls
 
 
 def test_a_decoder_prompt_as_embeddings_is_refused():
