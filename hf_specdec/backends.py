@@ -18,8 +18,17 @@ What a backend does, every operation in place on one layer (``LayerBackend``):
 ``gather(layer, start, index)``  per row r, the columns ``start + index[r]`` ([B, m]) moved to ``start..start+m-1``
 ``compact(layer, index)``        per row r, only the columns ``index[r]`` ([B, m]), in that order
 ``select_rows(layer, index)``    only the rows ``index``, in that order
-``row_states(layer, row, kept)`` one row's keys and values at its ``kept`` columns (None: the layer holds none)
+``row_states(layer, row, kept)`` one row's states (``RowStates``) at its ``kept`` columns (None: the layer holds none)
+``restore(layer, states, columns)``  a fresh layer (a new cache's, one row) holds a row's ``states``, counting
+                                 ``columns`` columns (a row read on its own: ``cache.KVStore.feed``)
+``set_states(layer, rows, columns, width)``  the layer holds the rows' ``RowStates``, row r's at its cache columns
+                                 ``columns[r]`` ([n_r], the last of them where it holds fewer) of ``width``, zeros
+                                 elsewhere (the cache ``cache.KVStore.finish`` hands back, in plain's columns)
 ``lend(mine, theirs)``           ``mine`` (an early-exit view's layer) starts from ``theirs``' tensors, uncopied
+
+A row's states leave the layer (``row_states``) when the row leaves the batch, and come back in a layer of its own
+(``restore``) or in the cache handed back (``set_states``); on the way, the tokens it kept after its stop are cut
+off (``RowStates.cut``), whatever the kind of layer.
 
 Layers that carry states through their inputs (``STATEFUL``: recurrent and hybrid layers, ``Recurrent``) have no
 column per token to crop: before each forward ``prepare`` tells them how many inputs may be rolled back (each
@@ -31,7 +40,8 @@ kept 3 and 5): ``gather(layer, 3, [[0, 2]])`` moves column 5 to 4, and ``crop(la
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
 
 import torch
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
@@ -39,7 +49,64 @@ from transformers.cache_utils import (CacheLayerMixin, DummyLayer, DynamicIndexe
                                       DynamicSlidingWindowLayer)
 from transformers.cache_utils import LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
-KV = tuple[torch.Tensor, torch.Tensor]  # a row's keys and values [1, H, h, D]
+
+@dataclass(frozen=True)
+class RowStates:
+    """One row's states in one layer (``LayerBackend.row_states``): tensors of one row ([1, ...]; None where the
+    layer has no such state) whose last entries along their token axis (``axes``) belong to the row's last tokens,
+    so that going back over a row's last tokens is the same slice in every kind of layer (``cut``): keys and values
+    [1, H, h, D] (axis 2: the columns of the last h tokens the layer holds), indexer keys [1, h, d] (axis 1), a
+    recurrent layer's states after each of the row's last r inputs [1, r, ...] (axis 1: the last one is its
+    current state).
+
+    >>> states = RowStates((torch.arange(4.0).reshape(1, 1, 4, 1), None), (2, 1))
+    >>> states.cut(1).parts[0].flatten().tolist()  # the row without its last token
+    [0.0, 1.0, 2.0]
+    """
+
+    parts: tuple[torch.Tensor | None, ...]
+    axes: tuple[int, ...]
+
+    def cut(self, count: int) -> "RowStates":
+        """The same row without its last ``count`` tokens."""
+        if count == 0:
+            return self
+        assert all(part is None or part.shape[axis] >= count for part, axis in zip(self.parts, self.axes)), \
+            "cut: the layer holds fewer of the row's last tokens than it goes back over"
+        return RowStates(tuple(None if part is None else part.narrow(axis, 0, part.shape[axis] - count)
+                               for part, axis in zip(self.parts, self.axes)), self.axes)
+
+    def __add__(self, other: "RowStates") -> "RowStates":
+        """The parts of both (a hybrid layer's: its recurrent states, then its keys and values)."""
+        return RowStates(self.parts + other.parts, self.axes + other.axes)
+
+
+def _scattered(parts: Sequence[torch.Tensor | None], columns: Sequence[torch.LongTensor], width: int,
+               axis: int) -> torch.Tensor | None:
+    """The rows' ``parts`` ([1, ..., h_r, ...] along ``axis``) in one tensor [B, ..., width, ...]: row r's at the last
+    h_r of its ``columns[r]``, zeros elsewhere (None where no row has one).
+
+    >>> _scattered([torch.ones(1, 2), None], [torch.tensor([0, 2]), torch.tensor([1])], 3, 1).tolist()
+    [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+    like = next((part for part in parts if part is not None), None)
+    if like is None:
+        return None
+    out = like.new_zeros((len(parts),) + like.shape[1: axis] + (width,) + like.shape[axis + 1:])
+    for row, (part, where) in enumerate(zip(parts, columns)):
+        if part is not None and part.shape[axis]:
+            out[row: row + 1].index_copy_(axis, where[where.shape[0] - part.shape[axis]:].to(out.device), part)
+    return out
+
+
+def _set_keys_and_values(layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                         width: int, at: int = 0) -> None:
+    """``set_states`` of a layer's keys and values: its rows' parts ``at`` and ``at + 1`` (none held: left as
+    they are)."""
+    for name, index in (("keys", at), ("values", at + 1)):
+        states = _scattered([None if row is None else row.parts[index] for row in rows], columns, width, 2)
+        if states is not None:
+            setattr(layer, name, states)
 
 
 def holds_states(layer) -> bool:
@@ -73,7 +140,12 @@ class LayerBackend(Protocol):
 
     def select_rows(self, layer, index: torch.LongTensor) -> None: ...
 
-    def row_states(self, layer, row: int, kept: torch.LongTensor) -> KV | None: ...
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates | None: ...
+
+    def restore(self, layer, states: RowStates, columns: int) -> None: ...
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None: ...
 
     def lend(self, mine, theirs) -> None: ...
 
@@ -113,10 +185,17 @@ class FullAttention:
     def select_rows(self, layer, index: torch.LongTensor) -> None:
         layer.batch_select_indices(index.to(layer.keys.device))
 
-    def row_states(self, layer, row: int, kept: torch.LongTensor) -> KV:
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates:
         start = layer_columns(layer) - layer.keys.shape[2]  # a sliding-window layer may hold only its tail
         held = (kept[kept >= start] - start).to(layer.keys.device)
-        return layer.keys[row: row + 1, :, held], layer.values[row: row + 1, :, held]
+        return RowStates((layer.keys[row: row + 1, :, held], layer.values[row: row + 1, :, held]), (2, 2))
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        layer.update(*states.parts[:2])
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        _set_keys_and_values(layer, rows, columns, width)
 
     def lend(self, mine, theirs) -> None:
         mine.lazy_initialization(theirs.keys, theirs.values)
@@ -146,6 +225,15 @@ class SlidingWindow(FullAttention):
 
     def settle(self, layer) -> None:
         layer.crop(0)  # restrict to the window (a no-op below it)
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        super().restore(layer, states, columns)  # (recording: it holds every column it is given)
+        layer.cumulative_length = columns
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        super().set_states(layer, rows, columns, width)
+        layer.cumulative_length = width
 
     def compact(self, layer, index: torch.LongTensor) -> None:
         raise AssertionError("a sliding-window layer is never compacted: its window counts columns")
@@ -185,6 +273,13 @@ class Stateless:
 
     def row_states(self, layer, row: int, kept: torch.LongTensor) -> None:
         return None
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        """Nothing held."""
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        """Nothing held."""
 
     def lend(self, mine, theirs) -> None:
         """Nothing held: the borrower's consumer layer reads its own producer's keys in its forward."""
@@ -238,6 +333,34 @@ class Indexed(FullAttention):
             positions = layer.indexer_position_ids
             layer.indexer_position_ids = positions.gather(2, index.to(positions.device)[None].expand(
                 positions.shape[0], -1, -1))
+
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates:
+        """The row's keys and values, then its indexer keys [1, h, d] and indexer positions [1, P, h] (None where
+        the layer has none)."""
+        held = kept.to(layer.keys.device)
+        indexer = layer.indexer_keys[row: row + 1, held] if _holds_indexer(layer) else None
+        positions = layer.indexer_position_ids
+        if positions is not None:
+            positions = positions[:, row: row + 1, held.to(positions.device)].movedim(1, 0)
+        return super().row_states(layer, row, kept) + RowStates((indexer, positions), (1, 2))
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        super().restore(layer, states, columns)
+        indexer, positions = states.parts[2:]
+        if indexer is not None:
+            layer.update_indexer(indexer)
+        layer.indexer_position_ids = None if positions is None else positions.movedim(0, 1)
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        """Keys, values, indexer keys and positions of every row at its columns (a masked column's indexer key is
+        zeros, as its key: no query scores it)."""
+        super().set_states(layer, rows, columns, width)
+        indexer = _scattered([None if row is None else row.parts[2] for row in rows], columns, width, 1)
+        if indexer is not None:
+            layer.indexer_keys = indexer
+        positions = _scattered([None if row is None else row.parts[3] for row in rows], columns, width, 2)
+        layer.indexer_position_ids = None if positions is None else positions.movedim(0, 1)
 
     def lend(self, mine, theirs) -> None:
         super().lend(mine, theirs)
@@ -306,9 +429,19 @@ class StaticAttention:
         layer.keys, layer.values = layer.keys[index], layer.values[index]  # a buffer of the rows left
         layer.batch_size = int(index.shape[0])
 
-    def row_states(self, layer, row: int, kept: torch.LongTensor) -> KV:
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates:
         kept = kept.to(layer.keys.device)
-        return layer.keys[row: row + 1, :, kept], layer.values[row: row + 1, :, kept]
+        return RowStates((layer.keys[row: row + 1, :, kept], layer.values[row: row + 1, :, kept]), (2, 2))
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        """Written at the start of the (fresh) buffers: the layer holds every column it counts."""
+        layer.update(*states.parts[:2])
+        self.place(layer, columns)
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        """Buffers of ``width`` columns (``Buffers.release`` then puts back the width the cache came with)."""
+        _set_keys_and_values(layer, rows, columns, width)
 
     def lend(self, mine, theirs) -> None:
         raise AssertionError("a static layer is never lent: forwards write into its buffers in place")
@@ -466,9 +599,13 @@ class Recurrent:
     from the end (its current state when m_r = w) and the conv window ending at its m_r-th input. One state per row
     cannot follow the branches of a trie (chains only), and a forward updates the states in place (no lending).
 
-    After a keep the layer holds, besides its states, what rolls back the inputs that row kept (the same count in
-    every row: history entries and the conv inputs before them), until ``settle``: ``crop`` goes back over them
-    uniformly (``discard``, a cache handed back cut to the emitted tokens); a crop past them only counts.
+    After a keep the layer holds, besides its states, what goes back over the inputs each row kept (per row, its
+    states after each of them: history entries and the conv inputs before them, ``_retained``), until ``settle``
+    or a row selection (the rows that stay emitted every input they kept): ``crop`` goes back over the last c of
+    them in every row (``discard``; a cache handed back cut to the emitted tokens, where each row's last c columns
+    are its last c tokens); a crop past them only counts. ``row_states`` hands a row's states out stacked, the
+    states after each of those inputs along the token axis, so a row that stopped inside its last round is cut
+    back to its stop (``RowStates.cut``) as a row of keys and values is.
 
     Worked example (one row, kernel 2, states written as the tokens read so far): after ``keep_rows`` the row
     holds conv [b, c] and state "abc"; a forward over d, e appends conv d, e and history ["abc", "abcd"] (state
@@ -494,18 +631,19 @@ class Recurrent:
             layer.recurrent_states_history = {index: list(history) if index == 0 else []
                                               for index, history in histories.items()}
 
-    def keep_rows(self, layer, start: int, kept: torch.LongTensor) -> None:
+    def keep_rows(self, layer, start: int, kept: torch.LongTensor, retain: bool = True) -> None:
         """Row r keeps the first ``kept[r]`` of the inputs the layer read after column ``start`` ([B]); the layer
-        then counts ``start + max(kept)`` columns, as the attention layers of its model hold."""
+        then counts ``start + max(kept)`` columns, as the attention layers of its model hold. ``retain``: it also
+        holds what goes back over them (``_retained``); else only what the next forward needs."""
         written = int(layer.cumulative_length_linear) - start  # 0 where a failed forward never reached the layer
-        dropped = (written - kept.cpu()).clamp(min=0)  # [B]
-        uniform = bool((kept == kept[0]).all())
+        kept = kept.cpu()
+        dropped = (written - kept).clamp(min=0)  # [B]
         for index in self._indices(layer):
             history = layer.recurrent_states_history[index] if layer.is_recurrent_states_initialized[index] else []
             assert not layer.is_recurrent_states_initialized[index] or len(history) >= int(dropped.max()), \
                 "keep: the forward recorded fewer states than it had inputs (prepare)"
             recorded = not layer.is_recurrent_states_initialized[index] or len(history) >= written
-            retained = int(kept[0]) if uniform and written > 0 and recorded else 0
+            retained = int(kept.max()) if retain and written > 0 and recorded else 0
             layer.conv_states[index] = self._windows(layer.conv_states[index], layer.conv_kernel_size[index] + retained,
                                                      dropped)
             if layer.is_recurrent_states_initialized[index]:
@@ -513,9 +651,25 @@ class Recurrent:
                 for row in dropped.nonzero()[:, 0].tolist():
                     state[row] = history[-int(dropped[row])][row]
                 layer.recurrent_states[index].copy_(state)
-                first = len(history) - written
-                layer.recurrent_states_history[index] = history[first: first + retained]
+                layer.recurrent_states_history[index] = self._retained(history[len(history) - written:], kept,
+                                                                       retained)
         layer.cumulative_length_linear.fill_(start + int(kept.max()))
+
+    @staticmethod
+    def _retained(entries: list[torch.Tensor], kept: torch.LongTensor, retained: int) -> list[torch.Tensor]:
+        """The history a keep leaves: ``retained`` entries, entry j holding per row r its state after its first
+        ``kept[r] - retained + j`` inputs (``entries[i]`` [B, ...]: the states before the forward's input i), so
+        that the entry c from the end is every row's state without its last c kept inputs (a row that kept fewer:
+        its state before the forward). Rows that kept alike share the forward's own entries.
+
+        >>> entries = [torch.tensor([10, 20]) + i for i in range(3)]  # two rows' states before inputs 0, 1, 2
+        >>> [entry.tolist() for entry in Recurrent._retained(entries, torch.tensor([3, 1]), 3)]
+        [[10, 20], [11, 20], [12, 20]]
+        """
+        if bool((kept == kept[0]).all()):
+            return entries[int(kept[0]) - retained: int(kept[0])]
+        return [torch.stack([entries[at][row] for row, at in enumerate((kept - retained + j).clamp(min=0).tolist())])
+                for j in range(retained)]
 
     @staticmethod
     def _indices(layer) -> list[int]:
@@ -538,8 +692,8 @@ class Recurrent:
 
     def crop(self, layer, length: int, window: bool) -> None:
         """Forget the inputs from column ``length`` on: the states go back over them where the layer still holds
-        what rolls them back (inputs written or kept since the last ``settle``), in every row alike; past that (a
-        column no row sees any more) only the count goes back."""
+        what rolls them back (inputs written or kept since the last ``settle``), by as many inputs in every row;
+        past that (a column no row sees any more) only the count goes back."""
         current = int(layer.cumulative_length_linear)
         dropped = current - length
         if dropped <= 0:
@@ -580,11 +734,54 @@ class Recurrent:
                 layer.recurrent_states[state] = layer.recurrent_states[state].index_select(0, where)
                 layer.recurrent_states_history[state] = [entry.index_select(0, where)
                                                          for entry in layer.recurrent_states_history[state]]
+        self.settle(layer)  # the rows that stay emitted every input they kept: none goes back over them
 
-    def row_states(self, layer, row: int, kept: torch.LongTensor) -> None:
-        """A row's recurrent state is no set of columns: ``KVStore`` never parks one (``cache.KVStore.prefill``
-        refuses what would)."""
-        return None
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates:
+        """Per state index, the row's conv windows [1, r, C, K] and recurrent states [1, r, ...] (None where it
+        has none) after each of its last r - 1 inputs that the layer can go back over (``_retained``) and after
+        the last, along axis 1; a layer without columns has no use for ``kept``."""
+        parts: list[torch.Tensor | None] = []
+        for index in range(layer.number_of_states):
+            if not layer.is_conv_states_initialized[index]:
+                parts += [None, None]
+                continue
+            conv, kernel = layer.conv_states[index][row: row + 1], layer.conv_kernel_size[index]
+            back, recurrent = conv.shape[-1] - kernel, None
+            if layer.is_recurrent_states_initialized[index]:
+                history = layer.recurrent_states_history[index]
+                back = min(back, len(history))
+                recurrent = torch.stack([entry[row] for entry in history[len(history) - back:]] +
+                                        [layer.recurrent_states[index][row]])[None]
+            windows = conv[..., conv.shape[-1] - kernel - back:].unfold(-1, kernel, 1).movedim(-2, 1)
+            parts += [windows.clone(), recurrent]
+        return RowStates(tuple(parts), (1,) * len(parts))
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        """The row's last states (those after its last input) in a fresh layer, as after a read of its tokens: its
+        next forward continues them (``has_previous_state``)."""
+        for index in range(layer.number_of_states):
+            windows, recurrent = states.parts[2 * index: 2 * index + 2]
+            if windows is not None:
+                conv = windows[:, -1]
+                layer.lazy_initialization(conv_states=conv, state_idx=index, conv_kernel_size=conv.shape[-1])
+                layer.conv_states[index] = conv.clone()
+                layer.has_previous_state[index] = True
+            if recurrent is not None:
+                layer.lazy_initialization(recurrent_states=recurrent[:, -1], state_idx=index)
+                layer.recurrent_states[index].copy_(recurrent[:, -1])
+            layer.recurrent_states_history[index] = []
+        layer.cumulative_length_linear.fill_(columns)
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        """Every row's last states, nothing to go back over (as after ``settle``), counting ``width`` columns."""
+        assert all(row is not None for row in rows), "set_states: every row holds its states"
+        for index in self._indices(layer):
+            layer.conv_states[index] = torch.cat([row.parts[2 * index][:, -1] for row in rows])
+            if layer.is_recurrent_states_initialized[index]:
+                layer.recurrent_states[index] = torch.cat([row.parts[2 * index + 1][:, -1] for row in rows])
+                layer.recurrent_states_history[index] = []
+        layer.cumulative_length_linear.fill_(width)
 
     def lend(self, mine, theirs) -> None:
         raise AssertionError("a recurrent layer is never lent: a forward updates its states in place")
@@ -616,8 +813,22 @@ class RecurrentAndAttention(Recurrent):
         if layer.is_initialized:
             DynamicLayer.batch_select_indices(layer, index.to(layer.keys.device))
 
-    def row_states(self, layer, row: int, kept: torch.LongTensor) -> KV:
-        return FULL_ATTENTION.row_states(layer, row, kept)
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates:
+        """The recurrent states (``Recurrent.row_states``), then the keys and values."""
+        attention = FULL_ATTENTION.row_states(layer, row, kept) if DynamicLayer.get_seq_length(layer) else \
+            RowStates((None, None), (2, 2))
+        return super().row_states(layer, row, kept) + attention
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        super().restore(layer, states, columns)
+        keys, values = states.parts[2 * layer.number_of_states:]
+        if keys is not None:
+            DynamicLayer.update(layer, keys, values)
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        super().set_states(layer, rows, columns, width)
+        _set_keys_and_values(layer, rows, columns, width, at=2 * layer.number_of_states)
 
 
 FULL_ATTENTION = FullAttention()
@@ -635,17 +846,13 @@ def prepare(layers, inputs: int) -> None:
             STATEFUL[type(layer)].prepare(layer, inputs)
 
 
-def keep_rows(layers, start: int, kept: torch.LongTensor) -> None:
+def keep_rows(layers, start: int, kept: torch.LongTensor, retain: bool = True) -> None:
     """Row r keeps the first ``kept[r]`` inputs written after column ``start`` ([B]): the stateful layers among
-    ``layers`` restore each row's states (``Recurrent.keep_rows``); the others' columns are the store's to crop."""
+    ``layers`` restore each row's states (``Recurrent.keep_rows``; ``retain``: holding what goes back over those
+    inputs until the next keep); the others' columns are the store's to crop."""
     for layer in layers:
         if type(layer) in STATEFUL and STATEFUL[type(layer)].holds(layer):
-            STATEFUL[type(layer)].keep_rows(layer, start, kept)
-
-
-def stateful(layers) -> bool:
-    """Does any of ``layers`` carry a state through its inputs (a row's state cannot be cut back once kept)?"""
-    return any(type(layer) in STATEFUL for layer in layers)
+            STATEFUL[type(layer)].keep_rows(layer, start, kept, retain)
 
 
 def attends(layers) -> bool:

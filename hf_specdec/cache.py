@@ -61,7 +61,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache
 
-from .backends import Buffers, attends, backend_for, holds_states, keep_rows, prepare, stateful
+from .backends import Buffers, RowStates, attends, backend_for, holds_states, keep_rows, prepare
 from .encoder_decoder import argument, reads_encoder
 from .encoder_decoder import recorded as decoder_recorded
 from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
@@ -283,11 +283,12 @@ def _widen(mask: torch.Tensor, span: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Parked:
-    """A row's cache as ``KVStore.finish`` needs it: per layer, the keys and values [1, H, h, D] of the last h of
-    the row's ``count`` kept tokens that the layer holds (in order, no padding, no holes; None for a layer that
-    holds no states), the position of its next token, and its other model inputs (``inputs.ModelInputs``)."""
+    """A row's cache as ``KVStore.finish`` needs it: per layer, its states (``backends.RowStates``: the keys and
+    values of the last h of the row's ``count`` kept tokens that the layer holds, in order, no padding, no holes;
+    a recurrent layer's states after each of its last inputs; None for a layer that holds no states), the position
+    of its next token, and its other model inputs (``inputs.ModelInputs``)."""
 
-    states: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
+    states: tuple[RowStates | None, ...]
     count: int
     next_position: int
     inputs: ModelInputs = NO_INPUTS
@@ -296,8 +297,7 @@ class _Parked:
         """The same row with only its first ``count`` kept tokens (a last round may have kept tokens after a stop)."""
         cut = self.count - count
         assert cut >= 0, "finish: a row holds fewer tokens than it committed"
-        states = tuple(None if kv is None else tuple(part[:, :, : part.shape[2] - cut] for part in kv)
-                       for kv in self.states)
+        states = tuple(None if states is None else states.cut(cut) for states in self.states)
         return _Parked(states, count, self.next_position - cut, self.inputs)
 
 
@@ -468,12 +468,6 @@ class KVStore:
         span = self._span(cached + length)
         attention = None if valid is None else _widen(valid, span).long().to(self.device)
         self.inputs = inputs
-        if stateful(self.layers) and (rows > 1 and self.keeps_rows or self.returns_cache and valid is not None):
-            raise Unsupported(
-                f"hf_specdec cannot return the cache or per-token outputs of {type(self.model).__name__} for this "
-                "input: its recurrent states cannot be cut back to a row's emitted tokens once kept, which a batch "
-                "whose rows stop apart (or a prompt with masked tokens, for the cache) would need. Call it one "
-                "prompt at a time, without return_dict_in_generate, or use plain generate()")
         result = call_model(self.model, input_ids.to(self.device), self.cache, logits_at=logits_at,
                             position_ids=inputs.prefill_positions(positions).to(self.device), attention_mask=attention,
                             head=self.head, record=record, model_inputs=inputs.prefill_kwargs(length),
@@ -679,9 +673,11 @@ class KVStore:
                     if holds_states(layer):
                         backend_for(layer).gather(layer, self.width, gather)
                 self.gathers += 1
-            keep_rows(self.layers, self.width, counts)  # recurrent layers: each row's states after its path
+            # recurrent layers: each row's states after its path (and, where a row may stop inside it, after each
+            # input of it)
+            keep_rows(self.layers, self.width, counts, retain=self._goes_back())
             self._rollback(self.width + m)
-            if not self.returns_cache:  # hold only what the next forward needs (a sliding window's tail)
+            if not self._goes_back():  # hold only what the next forward needs (a sliding window's tail)
                 for layer in self.layers:
                     if holds_states(layer):
                         backend_for(layer).settle(layer)
@@ -822,6 +818,12 @@ class KVStore:
             self.valid = None
         return holes
 
+    def _goes_back(self) -> bool:
+        """Does the store hold, after a keep, what goes back over each row's last round (until the next keep)? A
+        row that stops inside a round kept tokens after its stop, which ``finish`` (a cache handed back) and
+        ``feed`` (a row of a batch that stopped before the others) cut off (``_Parked.committed``)."""
+        return self.returns_cache or self.keeps_rows and self.num_rows + len(self._parked) > 1
+
     def _rows_by_id(self) -> dict[int, _Parked]:
         """Every row, those that left and those still here, by the order ``prefill`` read them."""
         return {**self._parked, **{int(self._row_ids[r]): self._park(r) for r in range(self.num_rows)}}
@@ -880,13 +882,10 @@ class KVStore:
             self._rollback(width)  # already plain's layout: only the tokens kept after a stop go
         else:
             self._assemble(new_tokens, pad_token_id, longest)
-        for layer in self.layers:  # a recurrent layer holds its last states only, as plain's does
-            if stateful([layer]) and holds_states(layer):
+        for layer in self.layers:  # as plain's layers hold them: a window's tail, a recurrent layer's last states
+            if holds_states(layer):
                 backend_for(layer).settle(layer)
         for layer, recording in self._recording:
-            if getattr(layer, "is_sliding", False) and holds_states(layer):
-                layer.keys, layer.values = layer.keys[:, :, 1 - layer.sliding_window:], \
-                    layer.values[:, :, 1 - layer.sliding_window:]
             layer.record_past = recording
         if self.buffers is not None:
             self.buffers.release(width)
@@ -901,13 +900,7 @@ class KVStore:
         rows = self._rows_by_id()
         prompt = self._prompt_mask(len(rows))
         width = self._prompt_width + longest - 1
-        outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for layer in self.layers:
-            if not holds_states(layer):
-                outs.append(None)
-                continue
-            outs.append(tuple(states.new_zeros((len(rows), states.shape[1], width, states.shape[3]))
-                              for states in (layer.keys, layer.values)))  # keys and values: shapes of their own
+        final, columns = [], []
         for r in range(len(rows)):
             row = rows[r].committed(int(prompt[r].sum()) + len(new_tokens[r]) - 1)
             if r in self._fed:  # ``feed`` read its padding already
@@ -915,16 +908,11 @@ class KVStore:
             elif len(new_tokens[r]) < longest:  # plain fed the row its last token and then padding
                 row = self._extend(row, [new_tokens[r][-1]] + [pad_token_id] * (longest - len(new_tokens[r]) - 1),
                                    logits_at=1)[0]
-            columns = torch.cat([prompt[r].nonzero()[:, 0], torch.arange(self._prompt_width, width)])
-            for out, kv in zip(outs, row.states):
-                if out is not None and kv is not None:
-                    held = columns[columns.shape[0] - kv[0].shape[2]:].to(out[0].device)
-                    out[0][r, :, held], out[1][r, :, held] = kv[0][0], kv[1][0]
-        for layer, out in zip(self.layers, outs):
-            if out is not None:
-                layer.keys, layer.values = out
-                if getattr(layer, "is_sliding", False) and self.buffers is None:  # (a static one's: ``release``)
-                    layer.cumulative_length = width
+            final.append(row)
+            columns.append(torch.cat([prompt[r].nonzero()[:, 0], torch.arange(self._prompt_width, width)]))
+        for index, layer in enumerate(self.layers):
+            if holds_states(layer):
+                backend_for(layer).set_states(layer, [row.states[index] for row in final], columns, width)
 
     def _extend(self, row: _Parked, tokens: list[int], *, record: Recording = NOTHING,
                 logits_at: LogitsAt = 1) -> tuple[_Parked, ForwardResult]:
@@ -933,14 +921,14 @@ class KVStore:
         cache = new_cache(self.model)
         layers = split_cache(cache)[0].layers  # (an encoder-decoder's self-attention: its cross-attention is
         # written by the forward, from the row's encoder states)
-        for layer, kv in zip(layers, row.states):
-            if kv is not None:
-                layer.update(*kv)
-                if getattr(layer, "is_sliding", False):
-                    layer.cumulative_length = row.count
+        for layer, states in zip(layers, row.states):
+            if states is not None:
+                backend_for(layer).restore(layer, states, row.count)
         positions = row.next_position + torch.arange(len(tokens))[None]
         result = call_model(self.model, torch.tensor([tokens], device=self.device), cache, logits_at=logits_at,
                             position_ids=row.inputs.positions(positions).to(self.device), head=self.head,
                             record=record, model_inputs=row.inputs.step(len(tokens)))
-        states = tuple(None if kv is None else (layer.keys, layer.values) for layer, kv in zip(layers, row.states))
-        return _Parked(states, row.count + len(tokens), row.next_position + len(tokens), row.inputs), result
+        count = row.count + len(tokens)
+        states = tuple(None if before is None else backend_for(layer).row_states(layer, 0, torch.arange(count))
+                       for layer, before in zip(layers, row.states))
+        return _Parked(states, count, row.next_position + len(tokens), row.inputs), result

@@ -234,19 +234,6 @@ def test_the_returned_cache_is_plains_after_a_stop_inside_a_round(model_type):
             torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-4, rtol=1e-4)
 
 
-def test_a_batch_that_returns_its_cache_is_refused_before_any_forward():
-    model = tiny("mamba")
-    ids, mask = prompts(2)
-    forwards = []
-    handle = model.register_forward_pre_hook(lambda *args: forwards.append(1))
-    try:
-        with pytest.raises(Unsupported, match="recurrent states cannot be cut back.*one prompt at a time"):
-            speculative(model, model, ids, mask, return_dict_in_generate=True)
-    finally:
-        handle.remove()
-    assert forwards == []
-
-
 def test_trees_are_refused_with_the_reason():
     model = tiny("qwen3_next")
     ids, mask = prompts(1)
