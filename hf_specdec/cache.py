@@ -42,7 +42,9 @@ accepts a -> c, so ``keep([[10, 11, 13]])``: the row keeps 13 tokens, slot 12 be
 and nothing is copied. Had it accepted a -> b (a prefix of what was written), the keep would be a crop. Holes are
 compacted away when they pass ``COMPACT_FRACTION`` of the columns, or at once in models that cannot mask them
 (sliding-window layers count columns; a model without ``position_ids`` counts positions by column). In a model
-that counts positions by column, no column is ever dropped (``columns_are_positions``): a prompt's holes stay.
+that counts positions by column, no column is ever dropped (``columns_are_positions``): a prompt's holes stay. In
+one that reads positions only as column distances (T5: ``positions_are_distances``), every keep lays each row's
+tokens out at plain's distances from each other, the next inputs of every row at one column (``_alignment``).
 
 With one unpadded row and no holes, a chain forward passes no attention mask at all (the model's own causal
 mask), as plain decoding does. ``rollback`` (crop every layer to a length) is the low-level step the offline
@@ -62,11 +64,11 @@ from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache
 
 from .backends import Buffers, RowStates, attends, backend_for, holds_states, keep_rows, prepare
-from .encoder_decoder import argument, reads_encoder
+from .encoder_decoder import argument, positions_are_distances, reads_encoder
 from .encoder_decoder import recorded as decoder_recorded
+from .errors import Unsupported
 from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
 from .layout import BatchInputs, to_model_mask
-from .support import Unsupported
 
 
 def new_cache(model) -> DynamicCache | EncoderDecoderCache:
@@ -416,6 +418,14 @@ class KVStore:
         model = getattr(self.model, self.model.base_model_prefix) if self.head is not None else self.model
         return not accepts_position_ids(model)
 
+    def positions_are_distances(self) -> bool:
+        """Does the model read positions only as column distances (``encoder_decoder.positions_are_distances``:
+        T5)? Then every keep and row selection lays each row's tokens out as plain ``generate`` has them relative
+        to each other, the next inputs of every row at the same column (``_alignment``), instead of leaving
+        holes: a row's tokens then see each other, and its next inputs, at plain's distances."""
+        model = getattr(self.model, self.model.base_model_prefix) if self.head is not None else self.model
+        return positions_are_distances(model)
+
     def next_positions(self) -> torch.LongTensor:
         """[B] the position of each row's next token (after its kept tokens): ``lengths`` with plain generate's
         positions, shifted where a caller's ``position_ids`` start elsewhere."""
@@ -475,6 +485,8 @@ class KVStore:
         self.inputs = inputs.after_prefill(result.output)  # a step that reads the prompt forward's outputs
         keep_rows(self.layers, cached, torch.full((rows,), length))  # recurrent layers: hold the prompt's states
         self.valid, self.width = valid, cached + length
+        if self.positions_are_distances():  # (a decoder prompt padded on the right: its next inputs move up)
+            self._align()
         return result
 
     def forward(self, batch: BatchInputs, *, after: torch.LongTensor | None = None, logits_at: LogitsAt = None,
@@ -490,6 +502,8 @@ class KVStore:
         the columns the inputs were written at.
         """
         rows, n = batch.input_ids.shape
+        assert self.num_written or not self.positions_are_distances() or self._alignment() is None, \
+            "positions are distances: the rows' tokens are laid out as plain's before a round (_align)"
         past = self.width + self.num_written
         if after is None:
             base = self.next_positions()[:, None]  # [B, 1]
@@ -770,8 +784,15 @@ class KVStore:
 
     def _tidy(self) -> None:
         """After a keep or a row selection: drop kept columns no row sees at the end, compact when holes pass
-        ``COMPACT_FRACTION``, and go back to ``valid = None`` when every row sees every column."""
-        if self.valid is None or self.num_written or self.columns_are_positions():
+        ``COMPACT_FRACTION``, and go back to ``valid = None`` when every row sees every column. Where positions are
+        distances, lay the rows out as plain's instead (``_align``: a step of the keep, as a gather where holes
+        cannot stay)."""
+        if self.valid is None or self.num_written:
+            return
+        if self.positions_are_distances():
+            self._align()
+            return
+        if self.columns_are_positions():
             return
         seen = self.valid.any(dim=0)  # [width]
         if not bool(seen.all()):
@@ -781,6 +802,56 @@ class KVStore:
                 self.valid, self.width = self.valid[:, :last], last
         if self.compacts_on_keep and self.compaction_due():
             self.compact()
+        if self.valid is not None and bool(self.valid.all()):
+            self.valid = None
+
+    def _alignment(self) -> tuple[torch.LongTensor, torch.Tensor] | None:
+        """Where positions are distances (``positions_are_distances``): each row's kept tokens at the columns that
+        give them plain ``generate``'s distances, the prompt's as it was read (its padding and holes between), every
+        later token after the prompt's columns, one after the other, and each row's next input at the same column
+        W (the new width), as few columns as that takes. Returns (index [B, W]: the current column each new one
+        takes, valid [B, W]), or None where the rows sit so already.
+
+        >>> from hf_specdec.models.tiny import tiny_model
+        >>> store = KVStore(tiny_model("llama"))  # (the layout alone: T5's store runs it after each keep)
+        >>> store._prompt_width, store._row_ids, store.width = 2, torch.arange(2), 5
+        >>> store.lengths = torch.tensor([5, 3])
+        >>> store.valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).bool()  # after a 2-token prompt, row 0
+        >>> index, valid = store._alignment()  # kept 3 tokens, row 1 one: its tokens move 2 columns up
+        >>> index.tolist(), valid.long().tolist()
+        ([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]], [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+        """
+        if self.valid is None:  # every row keeps every column: one contiguous layout, plain's
+            return None
+        kept = self.valid
+        prompt = self._prompt_mask(int(self._row_ids.max()) + 1)
+        plain, following = [], []  # per row: plain's column of each kept token, and of its next input
+        for r in range(self.num_rows):
+            own = prompt[int(self._row_ids[r])].nonzero()[:, 0]
+            later = int(kept[r].sum()) - own.shape[0]
+            plain.append(torch.cat([own, self._prompt_width + torch.arange(later)]))
+            following.append(self._prompt_width + later)
+        width = max(end - (int(columns[0]) if columns.numel() else end) for columns, end in zip(plain, following))
+        index = torch.zeros(self.num_rows, width, dtype=torch.long)
+        valid = torch.zeros(self.num_rows, width, dtype=torch.bool)
+        for r, (columns, end) in enumerate(zip(plain, following)):
+            target = columns - end + width
+            index[r, target], valid[r, target] = kept[r].nonzero()[:, 0], True
+        if width == self.width and torch.equal(valid, kept):
+            return None
+        return index, valid
+
+    def _align(self) -> None:
+        """Move each row's kept columns where ``_alignment`` puts them (one gather per layer), if they are not
+        there."""
+        alignment = self._alignment()
+        if alignment is not None:
+            index, valid = alignment
+            for layer in self.layers:
+                if holds_states(layer):
+                    backend_for(layer).compact(layer, index)
+            self.valid, self.width = valid, int(index.shape[1])
+            self.gathers += 1
         if self.valid is not None and bool(self.valid.all()):
             self.valid = None
 

@@ -47,8 +47,11 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
+from transformers import GenerationMixin
 from transformers.generation import GenerateEncoderDecoderOutput
 from transformers.modeling_outputs import BaseModelOutput
+
+from .errors import Unsupported
 
 # the loop's name of a forward argument -> an encoder-decoder's name for its decoder's
 DECODER_ARGUMENTS = MappingProxyType({"input_ids": "decoder_input_ids", "attention_mask": "decoder_attention_mask",
@@ -140,7 +143,6 @@ class EncoderStates:
 
 def check_inputs(model, model_kwargs: Mapping[str, Any]) -> None:
     """Refuse, before any forward, what the loop cannot pass to an encoder-decoder as plain ``generate`` does."""
-    from .support import Unsupported
 
     for name, what in REFUSED_DECODER_INPUTS.items():
         if model_kwargs.get(name) is not None:
@@ -226,9 +228,8 @@ def generate_output(model, inputs, decoded, stats) -> GenerateEncoderDecoderOutp
     ``loop.DecodeInputs`` and the loop's ``loop.Decoded``: per step the scores, logits, decoder hidden states,
     decoder attentions and cross-attentions asked for, the encoder's hidden states and attentions from its one
     run (as plain reads them: where their flag is set), the cache, and the call's stats. A class whose own
-    generate() takes the output apart by its fields (Whisper's: ``support.ROUTED_GENERATE``) gets plain's own
+    generate() takes the output apart by its fields (Whisper's, which routes its calls here) gets plain's own
     type, which has no field for the stats (``model.last_spec_stats`` holds them)."""
-    from .support import ROUTED_GENERATE
 
     encoder = inputs.model_inputs.encoder
     fields = dict(sequences=decoded.sequences, scores=decoded.scores or None, logits=decoded.logits or None,
@@ -236,7 +237,7 @@ def generate_output(model, inputs, decoded, stats) -> GenerateEncoderDecoderOutp
                   encoder_attentions=encoder.attentions if inputs.output_attentions else None,
                   decoder_hidden_states=decoded.hidden_states or None, decoder_attentions=decoded.attentions or None,
                   cross_attentions=decoded.cross_attentions or None, cache=decoded.cache)
-    if type(model).generate in ROUTED_GENERATE:
+    if type(model).generate is not GenerationMixin.generate:  # its own generate(), which routed the call here
         return GenerateEncoderDecoderOutput(**fields)
     return SpecGenerateEncoderDecoderOutput(**fields, spec_stats=stats)
 

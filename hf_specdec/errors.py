@@ -1,4 +1,5 @@
-"""Errors that mean "not here, not now" rather than "a bug": out of memory, on any device."""
+"""Errors that mean "not here, not now" rather than "a bug": out of memory, on any device; and what hf_specdec
+cannot run exactly (``Unsupported``, raised before the first forward)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,7 @@ def is_out_of_memory(error: BaseException) -> bool:
         return False
     message = str(error).lower()
     return "out of memory" in message or "can't allocate memory" in message or "failed to allocate" in message
+
+
+class Unsupported(ValueError):
+    """hf_specdec cannot run this model in this mode exactly; the message says why and what to use instead."""

@@ -32,7 +32,7 @@ from .drafters.early_exit import EarlyExit
 from .drafters.lookahead import LookaheadSource
 from .drafters.source import draft_kind, draft_source
 from . import encoder_decoder as ed
-from .inputs import NO_INPUTS, PER_TOKEN, SUPPLIED, ModelInputs
+from .inputs import NO_INPUTS, PER_TOKEN, SUPPLIED, CallerPrompt, ModelInputs
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, Seeding, SpeculativeMemory
 from .models.packed import reordered_only_values
@@ -293,11 +293,11 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
     )
 
 
-# inputs hf_specdec cannot carry as plain generate() carries them, with what to do instead: masks over images that
-# the model's own _update_model_kwargs_for_generation grows by a copy of their last row with every new token
+# inputs hf_specdec cannot carry as plain generate() carries them, with why (the mask itself grows as a per-token
+# input, ``inputs.PER_TOKEN``; the cache it goes with is what the store cannot keep yet)
 _UNSUPPORTED = {
-    "cross_attention_mask": "its rows follow the text tokens, and hf_specdec does not grow it over several new "
-                            "tokens per forward",
+    "cross_attention_mask": "the model (Mllama) keeps the images' keys and values in its text cache's cross-attention "
+                            "layers, which hf_specdec's store would cut back with the text columns",
 }
 
 
@@ -323,11 +323,11 @@ def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None,
                   inputs_tensor: torch.Tensor | None = None) -> ModelInputs:
     """What the draft model's forwards get: with image / audio inputs of its own (``draft_model_inputs``), those
     and its per-token inputs as plain generate() would give them to it (its own positions: multimodal RoPE);
-    otherwise the target's per-token inputs its forward takes. The draft reads its prompts without their masked
-    columns, left-padded (``DraftModelDrafter``): where that is not the caller's layout (a mask with holes, or
-    with masked columns after a row's first attended one), the images' placeholder tokens would no longer match
-    them, so the draft reads the prompts as text (its guesses only; the target verifies every token). A draft of
-    an encoder-decoder reads encoder states (``encoder_decoder.draft_states``: its own or the target's) or none."""
+    otherwise the target's per-token inputs its forward takes. A draft with images of its own reads the prompts in
+    the caller's layout, mask included (``CallerPrompt``: padding and holes masked, each image's placeholders and
+    per-token image rows where the caller put them), as the target does; a text-only draft reads them without their
+    masked columns, left-padded (``DraftModelDrafter``). A draft of an encoder-decoder reads encoder states
+    (``encoder_decoder.draft_states``: its own or the target's) or none."""
     encoder = inputs.model_inputs.encoder
     if encoder is not None or ed.is_encoder_decoder(draft_model):
         if encoder is None:
@@ -341,28 +341,27 @@ def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None,
     kwargs = {**given, "attention_mask": inputs.attention_mask}
     if kv.accepts_position_ids(draft_model):
         kwargs["position_ids"] = draft_model._prepare_position_ids_for_generation(inputs.input_ids, dict(kwargs))
-    return ModelInputs.from_generate(draft_model, inputs.input_ids, kwargs)
+    own = ModelInputs.from_generate(draft_model, inputs.input_ids, kwargs)
+    if not own.laid_out or own.embeds is not None:  # (a prompt given as embeddings: the draft reads the new tokens)
+        return own
+    # the caller's text positions where they are the whole prompt's (a cache passed in: derived from the mask)
+    positions = inputs.position_ids if not inputs.cached else None
+    return dataclasses.replace(own, layout=CallerPrompt(inputs.input_ids, inputs.attention_mask, positions))
 
 
 def _draft_reads_caller_layout(inputs: DecodeInputs) -> bool:
-    """Does the draft's left-padded batch of unmasked prompt tokens equal the caller's ``input_ids``, column for
-    column: no mask, or one that only left-pads rows of which at least one is whole (no cache passed in)?
+    """Can a draft read the caller's prompts as laid out: is ``input_ids`` the whole prompt, its mask (if any) over
+    exactly its columns? Not where ``input_ids`` are the tokens after a cache passed in (the mask is longer): the
+    draft has no cache of those.
 
     >>> from types import SimpleNamespace as Inputs
     >>> ids = torch.zeros(2, 3, dtype=torch.long)
-    >>> [_draft_reads_caller_layout(Inputs(input_ids=ids, attention_mask=torch.tensor(mask)))
-    ...  for mask in ([[0, 1, 1], [1, 1, 1]], [[1, 0, 0], [1, 1, 1]], [[0, 1, 1], [0, 1, 1]])]
-    [True, False, False]
+    >>> [_draft_reads_caller_layout(Inputs(input_ids=ids, attention_mask=None if mask is None else torch.tensor(mask)))
+    ...  for mask in (None, [[0, 1, 1], [1, 0, 1]], [[1, 1, 1, 1], [1, 1, 1, 1]])]
+    [True, True, False]
     """
     mask = inputs.attention_mask
-    if mask is None:
-        return True
-    if mask.shape != inputs.input_ids.shape:
-        return False
-    mask = mask.bool().cpu()
-    lengths = mask.sum(-1)
-    padded = torch.arange(mask.shape[1])[None] >= (mask.shape[1] - lengths)[:, None]
-    return bool(torch.equal(mask, padded)) and int(lengths.max()) == mask.shape[1]
+    return mask is None or tuple(mask.shape) == tuple(inputs.input_ids.shape)
 
 
 def _draft_model_inputs(draft_model, kwargs: dict) -> dict | None:

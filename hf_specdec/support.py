@@ -22,7 +22,8 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
 from .backends import backend_named
-from .encoder_decoder import argument, is_encoder_decoder
+from .errors import Unsupported  # noqa: F401  (raised here; importers find it here too)
+from .encoder_decoder import argument, is_encoder_decoder, positions_are_distances
 
 # layer types whose masks a trie forward gives (``KVStore._layer_masks``): an indexed (DSA) layer takes the full
 # causal mask, holes hidden from its indexer as from its attention
@@ -48,10 +49,6 @@ INEXACT = {
     "zaya": "its recurrent state (the last token's delayed values) is recorded only after a whole forward, so a "
             "rejected guess cannot be rolled back",
 }
-
-
-class Unsupported(ValueError):
-    """hf_specdec cannot run this model in this mode exactly; the message says why and what to use instead."""
 
 
 def _whisper_long_form(model, inputs) -> str | None:
@@ -154,9 +151,10 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         reason = ("its recurrent (state-space / linear-attention) state cannot be rolled back to the accepted guess"
                   if recurrent else f"its cache layers ({', '.join(missing)}) cannot be rolled back exactly")
         refuse(reason)
-    if rows > 1 and not takes(model, "position_ids") and (_embeds_positions(model) or model.config.is_encoder_decoder):
-        # (an encoder-decoder's decoder without decoder_position_ids: learned positions by column, BART/Marian, or
-        # a relative bias by column distance, T5)
+    by_column = _embeds_positions(model) or (model.config.is_encoder_decoder and not positions_are_distances(model))
+    if rows > 1 and not takes(model, "position_ids") and by_column:
+        # (an encoder-decoder's decoder without decoder_position_ids: learned positions by column, BART/Marian; a
+        # relative bias by column distance, T5, runs: the store keeps each row's distances, KVStore._alignment)
         refuse(f"it takes no position ids, so a token's position is its cache column (as in plain generate), and the "
                f"{rows} rows of a batch advance by different numbers of tokens per round, which would put a row's "
                "later tokens at other columns than plain's (one prompt at a time works)")

@@ -152,14 +152,15 @@ def test_inputs_embeds_equal_plain_generate(llama, prompt, mode, batch):
 
 @pytest.mark.parametrize("callable_", [hf_specdec.speculative_generate, hf_specdec.lookahead_generate])
 def test_an_input_it_cannot_carry_is_refused_by_name_before_any_forward(llama, prompt, callable_):
-    """A mask over images that grows by a row with every new token (Mllama's cross_attention_mask)."""
+    """Mllama's cross_attention_mask: its model keeps the images' keys in its text cache, which the store cannot
+    keep yet."""
     config = GenerationConfig(num_beams=1, num_return_sequences=1, do_sample=False, max_length=40, use_cache=True)
     extra = {"draft_model": perturbed_copy(llama, 0.02)} if callable_ is hf_specdec.speculative_generate else {}
     counter = CountForwards(llama)
     try:
         with pytest.raises(ValueError, match=r"hf_specdec cannot pass cross_attention_mask to the model as plain "
-                                             r"generate\(\) does: its rows follow the text tokens, and hf_specdec "
-                                             r"does not grow it over several new tokens per forward\. Use plain "
+                                             r"generate\(\) does: the model \(Mllama\) keeps the images' keys "
+                                             r"and values in its text cache's cross-attention layers.*Use plain "
                                              r"generate\(\) with cross_attention_mask=\."):
             callable_(llama, prompt, logits_processor=None, stopping_criteria=None, generation_config=config,
                       **extra, cross_attention_mask=torch.ones(1, 8, 1, 4))

@@ -116,9 +116,9 @@ PROCESSORS = {
 def record_processed_proposals(monkeypatch):
     seen, process = [], loop._process
 
-    def spy(inputs, ids, proposal, logits):
-        seen.append(proposal)
-        return process(inputs, ids, proposal, logits)
+    def spy(inputs, requests):  # per request: (row, its committed ids, its proposal, its logits)
+        seen.extend(proposal for _, _, proposal, _ in requests)
+        return process(inputs, requests)
 
     monkeypatch.setattr(loop, "_process", spy)
     return seen
@@ -143,17 +143,22 @@ def test_processors_on_trie_rows_equal_plain_greedy(arch, name, monkeypatch):
     assert any(len(set(p.parents)) < len(p.parents) and p.depth >= 3 for p in seen)  # branching, deep tries
 
 
-def committed_prefix_only(inputs, ids, proposal, logits):
-    return torch.cat([inputs.logits_processor(ids, logits[i: i + 1]) for i in range(logits.shape[0])])
+def committed_prefix_only(inputs, requests):
+    """Every node processed after the committed tokens alone."""
+    return [torch.cat([inputs.logits_processor(ids, logits[i: i + 1]) for i in range(logits.shape[0])])
+            for _, ids, _, logits in requests]
 
 
-def node_id_prefix(inputs, ids, proposal, logits):
+def node_id_prefix(inputs, requests):
     """Node i processed after nodes 0..i in id order: its siblings' branches leak into its prefix."""
-    rows = [inputs.logits_processor(ids, logits[0:1])]
-    for node in range(proposal.num_tokens):
-        prefix = torch.cat([ids, torch.tensor([proposal.tokens[: node + 1]])], dim=1)
-        rows.append(inputs.logits_processor(prefix, logits[1 + node: 2 + node]))
-    return torch.cat(rows)
+    out = []
+    for _, ids, proposal, logits in requests:
+        rows = [inputs.logits_processor(ids, logits[0:1])]
+        for node in range(proposal.num_tokens):
+            prefix = torch.cat([ids, torch.tensor([proposal.tokens[: node + 1]])], dim=1)
+            rows.append(inputs.logits_processor(prefix, logits[1 + node: 2 + node]))
+        out.append(torch.cat(rows))
+    return out
 
 
 @pytest.mark.parametrize("wrong", [committed_prefix_only, node_id_prefix])

@@ -124,21 +124,34 @@ class DraftModelDrafter(Drafter):
     def prefill(self, views: Sequence[RowView]) -> None:
         """Nothing yet: the draft reads the prompts the first time a plan asks it to draft (``_read``), so a call
         in which speculation never pays never runs the draft model at all; a draft with images of its own reads
-        them with the prompts now, while its batch is still the caller's (``ModelInputs.laid_out``)."""
+        them with the prompts now, in the caller's layout (``ModelInputs.layout``)."""
         self.rows = [view.row for view in views]
         if self.inputs.laid_out:
             self._read(views)
 
     @torch.no_grad()  # the loop decodes under no_grad; a drafter called on its own must not build a graph
     def _read(self, views: Sequence[RowView]) -> float:
-        """Prefill the draft's cache with every row's committed tokens but the last; returns the seconds."""
+        """Prefill the draft's cache with every row's committed tokens but the last; returns the seconds. A draft
+        whose inputs are tied to the caller's layout (``ModelInputs.layout``: its images) reads the caller's prompts
+        as laid out, mask included, at the loop's prefill (each row's committed tokens are its prompt's attended
+        ones and its first token), then keeps the rows still decoding; any other reads them without their masked
+        columns, left-padded."""
         start = time.perf_counter()
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
         self.cache = kv.KVStore(self.model, attention, head=self._narrow_head(views))
-        prompts, mask = _left_padded([self._readable(view.ids[:-1]) for view in views], self.pad_token_id)
-        inputs = self.inputs.relaid([view.row for view in views], [view.ids.shape[0] - 1 for view in views],
-                                    prompts.shape[1])
-        self.cache.prefill(prompts, mask, logits_at=1, inputs=inputs)
+        layout = self.inputs.layout
+        if layout is not None:
+            self.cache.prefill(self._readable(self.inputs.prompt_ids(layout.input_ids)), layout.mask, logits_at=1,
+                               positions=layout.positions, inputs=self.inputs)
+            rows = [view.row for view in views]
+            if rows != list(range(self.cache.num_rows)):  # rows that stopped at their first token
+                self.cache.select_rows(rows)
+            assert self.cache.lengths.tolist() == [view.ids.shape[0] - 1 for view in views], "read at the prefill"
+        else:
+            prompts, mask = _left_padded([self._readable(view.ids[:-1]) for view in views], self.pad_token_id)
+            inputs = self.inputs.relaid([view.row for view in views], [view.ids.shape[0] - 1 for view in views],
+                                        prompts.shape[1])
+            self.cache.prefill(prompts, mask, logits_at=1, inputs=inputs)
         self._written = [[] for _ in views]
         return time.perf_counter() - start
 

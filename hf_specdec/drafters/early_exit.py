@@ -62,7 +62,7 @@ import torch
 from .. import cache as kv
 from ..costmodel import ForwardCost, ForwardPrice, best_round, prefix_gains
 from ..round import Offer, RoundOutcome, RowView, SourceKind, prior_acceptance
-from ..support import Unsupported
+from ..errors import Unsupported
 from .base import DraftCall
 from .draft_model import DraftModelDrafter, chained
 
