@@ -65,15 +65,16 @@ class RowStates:
     """
 
     parts: tuple[torch.Tensor | None, ...]
-    axes: tuple[int, ...]
+    axes: tuple[int | None, ...]  # None: a part without a token axis (``Fixed``: no token of the row's is in it)
 
     def cut(self, count: int) -> "RowStates":
         """The same row without its last ``count`` tokens."""
         if count == 0:
             return self
-        assert all(part is None or part.shape[axis] >= count for part, axis in zip(self.parts, self.axes)), \
+        assert all(part is None or axis is None or part.shape[axis] >= count
+                   for part, axis in zip(self.parts, self.axes)), \
             "cut: the layer holds fewer of the row's last tokens than it goes back over"
-        return RowStates(tuple(None if part is None else part.narrow(axis, 0, part.shape[axis] - count)
+        return RowStates(tuple(part if part is None or axis is None else part.narrow(axis, 0, part.shape[axis] - count)
                                for part, axis in zip(self.parts, self.axes)), self.axes)
 
     def __add__(self, other: "RowStates") -> "RowStates":
@@ -283,6 +284,36 @@ class Stateless:
 
     def lend(self, mine, theirs) -> None:
         """Nothing held: the borrower's consumer layer reads its own producer's keys in its forward."""
+
+
+class Fixed(Stateless):
+    """A layer whose keys and values are fixed for the call: a decoder's cross-attention layer in the decoder's own
+    cache (Mllama's text model: ``cross_attention_layers``), holding the images' keys that the prompt's forward
+    wrote and every later forward reads. None of the decoder's tokens is in it, so a round's keep, crop and
+    compaction leave it as it is (``Stateless``'s no-ops); only rows that leave go, and a row's states are its
+    whole tensors. (An encoder-decoder keeps these in a cache of their own: ``cache.split_cache``.)"""
+
+    lendable = False
+
+    def select_rows(self, layer, index: torch.LongTensor) -> None:
+        layer.batch_select_indices(index.to(layer.keys.device))
+
+    def row_states(self, layer, row: int, kept: torch.LongTensor) -> RowStates:
+        return RowStates((layer.keys[row: row + 1], layer.values[row: row + 1]), (None, None))
+
+    def restore(self, layer, states: RowStates, columns: int) -> None:
+        layer.lazy_initialization(*states.parts[:2])
+        layer.keys, layer.values = states.parts[:2]
+
+    def set_states(self, layer, rows: Sequence[RowStates | None], columns: Sequence[torch.LongTensor],
+                   width: int) -> None:
+        layer.keys, layer.values = (torch.cat([row.parts[part] for row in rows]) for part in (0, 1))
+
+    def lend(self, mine, theirs) -> None:
+        raise AssertionError("a fixed layer is not lent (lendable is False)")
+
+
+FIXED = Fixed()
 
 
 class Indexed(FullAttention):
@@ -873,6 +904,13 @@ BACKENDS: Mapping[type, LayerBackend] = {
 def backend_for(layer: CacheLayerMixin) -> LayerBackend | None:
     """The backend of ``layer``'s class (None: the store cannot speculate on it)."""
     return BACKENDS.get(type(layer))
+
+
+def layer_backends(model, layers) -> tuple[LayerBackend | None, ...]:
+    """The backend of each of ``model``'s cache ``layers``: its class's, or ``Fixed`` for a cross-attention layer
+    of the decoder (``cross_attention_layers`` of its text config: Mllama), whose keys are the images'."""
+    fixed = set(getattr(model.config.get_text_config(decoder=True), "cross_attention_layers", None) or ())
+    return tuple(FIXED if index in fixed else backend_for(layer) for index, layer in enumerate(layers))
 
 
 def backend_named(class_name: str) -> LayerBackend | None:

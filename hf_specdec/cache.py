@@ -63,7 +63,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache
 
-from .backends import Buffers, RowStates, attends, backend_for, holds_states, keep_rows, prepare
+from .backends import Buffers, RowStates, attends, backend_for, holds_states, keep_rows, layer_backends, prepare
 from .encoder_decoder import argument, positions_are_distances, reads_encoder
 from .encoder_decoder import recorded as decoder_recorded
 from .errors import Unsupported
@@ -358,6 +358,8 @@ class KVStore:
         # cross-attention cache: the encoder's keys, fixed for the call)
         self.speculated, self.fixed = split_cache(self.cache)
         self.layers = self.speculated.layers
+        self._caching = model if head is None else getattr(model, model.base_model_prefix)  # the model its layers run
+        self.backends = layer_backends(self._caching, self.layers)  # one per layer: each one's kind, as used here
         self.buffers = Buffers.of(self.layers)  # a static cache's preallocated buffers (None: a dynamic cache)
         self._recording = [(layer, layer.record_past) for layer in self.layers if hasattr(layer, "record_past")]
         for layer, _ in self._recording:
@@ -409,7 +411,7 @@ class KVStore:
         """Can columns no row attends to stay in the cache? Not with sliding-window layers (they keep a count of
         columns) nor in a model that takes no position ids (it counts positions by column)."""
         model = getattr(self.model, self.model.base_model_prefix) if self.head is not None else self.model
-        return accepts_position_ids(model) and all(backend_for(layer).holds_holes for layer in self.layers)
+        return accepts_position_ids(model) and all(backend.holds_holes for backend in self.backends)
 
     def columns_are_positions(self) -> bool:
         """Does the model number its inputs by cache column (it takes no position ids: the next input sits at
@@ -683,18 +685,18 @@ class KVStore:
         if prefix or not self.holes_maskable():
             if not prefix:  # gather each row's path to the start of the written block
                 gather = torch.where(taken, index, index[:, :1])[:, :m]  # [B, m]
-                for layer in self.layers:
+                for layer, backend in zip(self.layers, self.backends):
                     if holds_states(layer):
-                        backend_for(layer).gather(layer, self.width, gather)
+                        backend.gather(layer, self.width, gather)
                 self.gathers += 1
             # recurrent layers: each row's states after its path (and, where a row may stop inside it, after each
             # input of it)
             keep_rows(self.layers, self.width, counts, retain=self._goes_back())
             self._rollback(self.width + m)
             if not self._goes_back():  # hold only what the next forward needs (a sliding window's tail)
-                for layer in self.layers:
+                for layer, backend in zip(self.layers, self.backends):
                     if holds_states(layer):
-                        backend_for(layer).settle(layer)
+                        backend.settle(layer)
             new_columns = taken[:, :m]  # [B, m]
         else:  # holes stay, masked; the columns after the last kept one go
             new_columns = torch.zeros(self.num_rows, w, dtype=torch.bool)  # [B, w]
@@ -718,12 +720,13 @@ class KVStore:
     def _rollback(self, length: int) -> None:
         """``rollback`` to ``length`` columns; a store that hands its cache back keeps its sliding-window layers'
         recorded columns until ``finish``."""
-        rollback(self.speculated, length, window=not self.returns_cache)
+        for layer, backend in zip(self.layers, self.backends):
+            backend.crop(layer, length, not self.returns_cache)
 
     def can_lend(self) -> bool:
         """Can ``lend`` start another store from this one's tensors? Only full-attention layers (``DynamicLayer``:
         a forward concatenates new columns into a new tensor); a sliding-window layer keeps a state of its own."""
-        return all(backend_for(layer).lendable for layer in self.layers)
+        return all(backend.lendable for backend in self.backends)
 
     def lend(self, model, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "KVStore":
         """A store for ``model``, whose decoder layers are this store's model's first layers (an early-exit draft,
@@ -749,9 +752,9 @@ class KVStore:
         assert self.can_lend(), "only full-attention layers can be lent"
         store = KVStore(model, self.attention, head=head)
         assert len(store.layers) <= len(self.layers), "the borrower runs the lender's first layers"
-        for mine, theirs in zip(store.layers, self.layers):
+        for mine, theirs, backend in zip(store.layers, self.layers, self.backends):
             if holds_states(theirs):
-                backend_for(theirs).lend(mine, theirs)
+                backend.lend(mine, theirs)
         store.valid = None if self.valid is None else self.valid.clone()
         store.lengths, store.width = self.lengths.clone(), self.width
         store._offset, store._column_shift, store._prompt_width = self._offset, self._column_shift, self._prompt_width
@@ -767,9 +770,9 @@ class KVStore:
             assert self.num_written == 0, "rows leave between rounds"
             for row in sorted(set(range(self.num_rows)) - set(rows)):
                 self._parked[int(self._row_ids[row])] = self._park(row)
-        for layer in self.layers:
+        for layer, backend in zip(self.layers, self.backends):
             if holds_states(layer):
-                backend_for(layer).select_rows(layer, index)
+                backend.select_rows(layer, index)
         if self.keeps_rows and self._fixed_rows is None:  # (every row's, in the order prefill read them)
             self._fixed_rows = [[(layer.keys, layer.values) for layer in fixed.layers] for fixed in self.fixed]
         for fixed in self.fixed:
@@ -847,9 +850,9 @@ class KVStore:
         alignment = self._alignment()
         if alignment is not None:
             index, valid = alignment
-            for layer in self.layers:
+            for layer, backend in zip(self.layers, self.backends):
                 if holds_states(layer):
-                    backend_for(layer).compact(layer, index)
+                    backend.compact(layer, index)
             self.valid, self.width = valid, int(index.shape[1])
             self.gathers += 1
         if self.valid is not None and bool(self.valid.all()):
@@ -878,9 +881,9 @@ class KVStore:
         for row in range(self.num_rows):
             columns = self.valid[row].nonzero()[:, 0]
             index[row, width - columns.shape[0]:] = columns
-        for layer in self.layers:
+        for layer, backend in zip(self.layers, self.backends):
             if holds_states(layer):
-                backend_for(layer).compact(layer, index)
+                backend.compact(layer, index)
         self.valid = torch.arange(width)[None, :] >= (width - counts)[:, None]
         self.width = width
         self.gathers += 1
@@ -930,8 +933,8 @@ class KVStore:
         """Row ``row``'s kept tokens, as ``finish`` takes them."""
         columns = self._kept_valid()[row].nonzero()[:, 0]  # the row's kept tokens, in order
         states = []
-        for layer in self.layers:
-            states.append(backend_for(layer).row_states(layer, row, columns) if holds_states(layer) else None)
+        for layer, backend in zip(self.layers, self.backends):
+            states.append(backend.row_states(layer, row, columns) if holds_states(layer) else None)
         return _Parked(tuple(states), int(columns.shape[0]), int(self.next_positions()[row]),
                        self.inputs.select_rows(torch.tensor([row])))
 
@@ -953,9 +956,9 @@ class KVStore:
             self._rollback(width)  # already plain's layout: only the tokens kept after a stop go
         else:
             self._assemble(new_tokens, pad_token_id, longest)
-        for layer in self.layers:  # as plain's layers hold them: a window's tail, a recurrent layer's last states
-            if holds_states(layer):
-                backend_for(layer).settle(layer)
+        for layer, backend in zip(self.layers, self.backends):  # as plain's layers hold them: a window's tail,
+            if holds_states(layer):  # a recurrent layer's last states
+                backend.settle(layer)
         for layer, recording in self._recording:
             layer.record_past = recording
         if self.buffers is not None:
@@ -981,9 +984,9 @@ class KVStore:
                                    logits_at=1)[0]
             final.append(row)
             columns.append(torch.cat([prompt[r].nonzero()[:, 0], torch.arange(self._prompt_width, width)]))
-        for index, layer in enumerate(self.layers):
+        for index, (layer, backend) in enumerate(zip(self.layers, self.backends)):
             if holds_states(layer):
-                backend_for(layer).set_states(layer, [row.states[index] for row in final], columns, width)
+                backend.set_states(layer, [row.states[index] for row in final], columns, width)
 
     def _extend(self, row: _Parked, tokens: list[int], *, record: Recording = NOTHING,
                 logits_at: LogitsAt = 1) -> tuple[_Parked, ForwardResult]:
@@ -992,14 +995,15 @@ class KVStore:
         cache = new_cache(self.model)
         layers = split_cache(cache)[0].layers  # (an encoder-decoder's self-attention: its cross-attention is
         # written by the forward, from the row's encoder states)
-        for layer, states in zip(layers, row.states):
+        backends = layer_backends(self._caching, layers)  # a fresh cache's (not a static buffer's)
+        for layer, backend, states in zip(layers, backends, row.states):
             if states is not None:
-                backend_for(layer).restore(layer, states, row.count)
+                backend.restore(layer, states, row.count)
         positions = row.next_position + torch.arange(len(tokens))[None]
         result = call_model(self.model, torch.tensor([tokens], device=self.device), cache, logits_at=logits_at,
                             position_ids=row.inputs.positions(positions).to(self.device), head=self.head,
                             record=record, model_inputs=row.inputs.step(len(tokens)))
         count = row.count + len(tokens)
-        states = tuple(None if before is None else backend_for(layer).row_states(layer, 0, torch.arange(count))
-                       for layer, before in zip(layers, row.states))
+        states = tuple(None if before is None else backend.row_states(layer, 0, torch.arange(count))
+                       for layer, backend, before in zip(layers, backends, row.states))
         return _Parked(states, count, row.next_position + len(tokens), row.inputs), result

@@ -293,27 +293,9 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
     )
 
 
-# inputs hf_specdec cannot carry as plain generate() carries them, with why (the mask itself grows as a per-token
-# input, ``inputs.PER_TOKEN``; the cache it goes with is what the store cannot keep yet)
-_UNSUPPORTED = {
-    "cross_attention_mask": "the model (Mllama) keeps the images' keys and values in its text cache's cross-attention "
-                            "layers, which hf_specdec's store would cut back with the text columns",
-}
-
-
-def _check_model_inputs(model_kwargs: dict) -> None:
-    """Refuse a model input the loop cannot pass as plain generate() does (before any forward). Every other one
-    is carried (``inputs.ModelInputs``): token types, images and audio, a prompt's embeddings."""
-    for name, value in model_kwargs.items():
-        if value is not None and name in _UNSUPPORTED:
-            raise ValueError(f"hf_specdec cannot pass {name} to the model as plain generate() does: "
-                             f"{_UNSUPPORTED[name]}. Use plain generate() with {name}=.")
-
-
 def _model_inputs(model, input_ids, model_kwargs: dict, encoder: ed.EncoderStates | None = None) -> ModelInputs:
     """The call's other model inputs, as plain generate() gives them to each forward (``inputs.py``); an
     encoder-decoder's encoder states besides (``encoder_decoder.decoder_view``)."""
-    _check_model_inputs(model_kwargs)
     if encoder is not None:
         return ModelInputs(encoder=encoder, rows=int(input_ids.shape[0]))
     return ModelInputs.from_generate(model, input_ids, model_kwargs)
@@ -396,9 +378,6 @@ def _refuse_up_front(model, mode: str, args: tuple, kwargs: dict) -> None:
         _checked_draft(draft_source(draft, model), rows)  # an early exit: its depth and its layers too
     if ed.is_encoder_decoder(model):
         ed.check_inputs(model, kwargs)
-    forward = frozenset(inspect.signature(type(model).forward).parameters)
-    _check_model_inputs({name: value for name, value in kwargs.items()
-                         if name not in _GENERATE_ARGUMENTS and (name in forward or name == "inputs_embeds")})
 
 
 def _check_positions(input_ids, mask, positions, cache, generation_config) -> tuple[int, torch.Tensor | None]:

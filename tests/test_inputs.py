@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import hf_specdec
 from tests.conftest import perturbed_copy, tiny_model
@@ -39,15 +39,6 @@ def modes(model):
     pool.seed(flat)
     return {"speculative": dict(assistant_model=model, speculative_memory=memory),
             "lookahead": dict(decoding="lookahead", lookahead_memory=pool)}
-
-
-class CountForwards:
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.register_forward_pre_hook(self)
-
-    def __call__(self, module, args):
-        self.count += 1
 
 
 TYPES = torch.tensor([[0, 0, 0, 1, 1, 1, 11, 11]])  # the prompt's token types: every new token is of type 11
@@ -148,25 +139,6 @@ def test_inputs_embeds_equal_plain_generate(llama, prompt, mode, batch):
     assert torch.equal(out, expected)
     stats = llama.last_spec_stats
     assert stats.accepted > 0 and (mode == "lookahead" or stats.drafted - stats.lookup_drafted > 0), stats
-
-
-@pytest.mark.parametrize("callable_", [hf_specdec.speculative_generate, hf_specdec.lookahead_generate])
-def test_an_input_it_cannot_carry_is_refused_by_name_before_any_forward(llama, prompt, callable_):
-    """Mllama's cross_attention_mask: its model keeps the images' keys in its text cache, which the store cannot
-    keep yet."""
-    config = GenerationConfig(num_beams=1, num_return_sequences=1, do_sample=False, max_length=40, use_cache=True)
-    extra = {"draft_model": perturbed_copy(llama, 0.02)} if callable_ is hf_specdec.speculative_generate else {}
-    counter = CountForwards(llama)
-    try:
-        with pytest.raises(ValueError, match=r"hf_specdec cannot pass cross_attention_mask to the model as plain "
-                                             r"generate\(\) does: the model \(Mllama\) keeps the images' keys "
-                                             r"and values in its text cache's cross-attention layers.*Use plain "
-                                             r"generate\(\) with cross_attention_mask=\."):
-            callable_(llama, prompt, logits_processor=None, stopping_criteria=None, generation_config=config,
-                      **extra, cross_attention_mask=torch.ones(1, 8, 1, 4))
-    finally:
-        counter.handle.remove()
-    assert counter.count == 0
 
 
 def test_a_text_call_asks_the_model_nothing_and_passes_nothing_more(llama, prompt, monkeypatch):

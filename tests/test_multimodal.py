@@ -169,25 +169,32 @@ def test_the_qwen2_vl_model_reads_the_image_and_its_positions(qwen2_vl):
     assert not torch.equal(seen, blind)
 
 
+def _routed_check(model, ids, kwargs, mode, monkeypatch):
+    """``_check`` of ``model`` in ``mode``: chains with a multimodal draft (a perturbed copy, fixed k), lookahead,
+    or draft-model trees (every drafting round a tree); returns the stats."""
+    draft = perturbed_copy(model, 0.1, relative=True)
+    if mode == "speculative":
+        routed = dict(assistant_model=draft, spec_config=FIXED)
+    elif mode == "tree":
+        signature = inspect.signature(model.forward)
+        charged(monkeypatch, model, draft)
+        model.forward.__signature__ = signature  # generate() checks the image inputs against it
+        routed = dict(assistant_model=draft, spec_config=TREE, speculative_memory=paying(draft))
+    else:
+        routed = modes(model)[mode]
+    stats = _check(model, ids, kwargs, routed, "lookahead" if mode == "lookahead" else "speculative")
+    if mode == "tree":
+        assert_every_drafting_round_was_a_tree(stats)
+    return stats
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("mode", ["speculative", "lookahead", "tree"])
 def test_qwen2_vl_equals_plain_generate(qwen2_vl, mode, batch, monkeypatch):
     """Every draft, window and tree position at text position + rope_delta on rows 1-3: chains with a multimodal
     draft, lookahead's trie and window, and draft-model trees."""
     ids, kwargs = qwen2_vl_inputs(batch)
-    draft = perturbed_copy(qwen2_vl, 0.1, relative=True)
-    if mode == "speculative":
-        routed = dict(assistant_model=draft, spec_config=FIXED)
-    elif mode == "tree":
-        signature = inspect.signature(qwen2_vl.forward)
-        charged(monkeypatch, qwen2_vl, draft)
-        qwen2_vl.forward.__signature__ = signature  # generate() checks the image inputs against it
-        routed = dict(assistant_model=draft, spec_config=TREE, speculative_memory=paying(draft))
-    else:
-        routed = modes(qwen2_vl)[mode]
-    stats = _check(qwen2_vl, ids, kwargs, routed, "lookahead" if mode == "lookahead" else "speculative")
-    if mode == "tree":
-        assert_every_drafting_round_was_a_tree(stats)
+    _routed_check(qwen2_vl, ids, kwargs, mode, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
@@ -334,19 +341,7 @@ def test_idefics_equals_plain_generate(idefics, mode, batch, monkeypatch):
     prompt's forward encoded (``image_encoder_embeddings``, as plain's steps): chains with an IDEFICS draft (which
     encodes its own), lookahead's trie and window, and draft-model trees."""
     ids, kwargs = idefics_inputs(batch)
-    draft = perturbed_copy(idefics, 0.1, relative=True)
-    if mode == "speculative":
-        routed = dict(assistant_model=draft, spec_config=FIXED)
-    elif mode == "tree":
-        signature = inspect.signature(idefics.forward)
-        charged(monkeypatch, idefics, draft)
-        idefics.forward.__signature__ = signature  # generate() checks the image inputs against it
-        routed = dict(assistant_model=draft, spec_config=TREE, speculative_memory=paying(draft))
-    else:
-        routed = modes(idefics)[mode]
-    stats = _check(idefics, ids, kwargs, routed, "lookahead" if mode == "lookahead" else "speculative")
-    if mode == "tree":
-        assert_every_drafting_round_was_a_tree(stats)
+    stats = _routed_check(idefics, ids, kwargs, mode, monkeypatch)
     if mode == "lookahead":
         assert stats.tree_rounds > 0, stats  # IDEFICS reads a trie
 
@@ -453,12 +448,16 @@ def mllama():
     return _plain_config(MllamaForConditionalGeneration(config).eval())
 
 
-def test_mllamas_cross_attention_mask_grows_as_plain_grows_it_and_stays_refused(mllama):
-    """Every new token gets its row's last ``cross_attention_mask`` row, as Mllama's own update grows it (a per-token
-    input). The call stays refused before any forward, for the cache the mask goes with: the text cache's
-    cross-attention layers hold the images' keys, which the store would cut back with the text columns."""
-    from tests.test_inputs import CountAllForwards
-
+@pytest.mark.parametrize("mode", ["speculative", "lookahead"])
+def test_mllama_with_images_in_its_text_cache_is_plain_generate(mllama, mode):
+    """Mllama keeps the images' keys in its text cache's cross-attention layers, written by the prompt's forward
+    (``backends.Fixed``: a round's keep leaves them as they are, rows that stop leave them) and each token's
+    ``cross_attention_mask`` row grows as Mllama's own update grows it (a per-token input). Gates at 1, so the
+    images reach the text (the tester's random gates are 0); B = 2, one row padded and seeing half the tiles."""
+    with torch.no_grad():
+        for name, parameter in mllama.named_parameters():
+            if "cross_attn_attn_gate" in name or "cross_attn_mlp_gate" in name:
+                parameter.fill_(1.0)
     ids = torch.tensor([[7, 4, 11, 12, 13, 14, 15, 16], [PAD, PAD, 5, 4, 42, 8, 23, 61]])
     crossed = torch.zeros(2, 8, 1, 4)
     crossed[0, 1:, 0], crossed[1, 3:, 0, :2] = 1, 1
@@ -468,8 +467,20 @@ def test_mllamas_cross_attention_mask_grows_as_plain_grows_it_and_stays_refused(
                   cross_attention_mask=crossed, attention_mask=torch.tensor([[1] * 8, [0, 0] + [1] * 6]))
     steps = hf_specdec.inputs.ModelInputs.from_generate(mllama, ids, dict(kwargs, use_cache=True))
     assert torch.equal(steps.step(3)["cross_attention_mask"], crossed[:, -1:].expand(-1, 3, -1, -1))
-    with CountAllForwards() as forwards, pytest.raises(
-            ValueError, match=r"cannot pass cross_attention_mask to the model as plain generate\(\) does: the model "
-                              r"\(Mllama\) keeps the images' keys and values in its text cache"):
-        mllama.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, decoding="lookahead", **kwargs)
-    assert forwards.count == 0
+    plain = mllama.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **kwargs)
+    without_images = mllama.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                                     attention_mask=kwargs["attention_mask"])
+    assert not torch.equal(plain, without_images)  # the images decide tokens
+    model = hf_specdec.enable(mllama)
+    extra = dict(assistant_model=mllama, spec_config={"policy": "fixed", "num_draft_tokens": 3}) \
+        if mode == "speculative" else dict(decoding="lookahead")
+    if mode == "lookahead":  # a memory that knows the answer: its guesses are verified over the images
+        memory = hf_specdec.LookaheadMemory()
+        model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, lookahead_memory=memory,
+                       **extra, **kwargs)
+        extra["lookahead_memory"] = memory
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **extra, **kwargs)
+    stats = model.last_spec_stats.get()
+    hf_specdec.disable(mllama)
+    assert torch.equal(out, plain)
+    assert stats.accepted > 0 and (mode == "lookahead" or stats.drafted - stats.lookup_drafted > 0), stats

@@ -23,6 +23,7 @@ from hf_specdec.drafters.early_exit import EarlyExit
 from hf_specdec.models.tiny import perturbed_copy, tiny_model
 from hf_specdec.stats import last_spec_stats
 from hf_specdec.support import Unsupported
+from tests.test_cache_in import assert_drafted, mode
 
 NEW = 16
 FIXED = {"policy": "fixed", "num_draft_tokens": 4}
@@ -54,22 +55,6 @@ def _pair(model):
 @pytest.fixture(scope="module")
 def llama_pair():
     return _pair(tiny_model("llama", seed=0))
-
-
-def mode(name: str, draft) -> dict:
-    """Each way into hf_specdec, set up to guess from the first round."""
-    if name == "speculative":
-        return dict(assistant_model=draft, spec_config=FIXED)
-    pool = hf_specdec.LookaheadMemory()
-    pool.seed({n: 1.0 for n in range(1, 17)})
-    return dict(decoding="lookahead", lookahead_memory=pool)
-
-
-def assert_drafted(model, name: str) -> None:
-    stats = last_spec_stats(model)
-    assert stats is not None and stats.accepted > 0, stats
-    if name == "speculative":
-        assert stats.drafted - stats.lookup_drafted > 0, stats
 
 
 def plain(model, ids, **kwargs):
