@@ -30,9 +30,10 @@ A row's states leave the layer (``row_states``) when the row leaves the batch, a
 (``restore``) or in the cache handed back (``set_states``); on the way, the tokens it kept after its stop are cut
 off (``RowStates.cut``), whatever the kind of layer.
 
-Layers that carry states through their inputs (``STATEFUL``: recurrent and hybrid layers, ``Recurrent``) have no
-column per token to crop: before each forward ``prepare`` tells them how many inputs may be rolled back (each
-input's state is recorded), and at a keep ``keep_rows`` gives each row the states after its last kept input.
+Layers that carry states through their inputs (recurrent and hybrid layers, ``Recurrent``) have no column per
+token to crop: before each forward ``prepare`` tells them how many inputs may be rolled back (each input's state is
+recorded), and at a keep ``keep_rows`` gives each row the states after its last kept input; for every other kind
+both are no-ops (``Columns``).
 
 Worked example (a full-attention layer of one row holding columns 0..5; a trie round wrote 3..5 and the row
 kept 3 and 5): ``gather(layer, 3, [[0, 2]])`` moves column 5 to 4, and ``crop(layer, 5, True)`` drops the rest.
@@ -113,9 +114,7 @@ def _set_keys_and_values(layer, rows: Sequence[RowStates | None], columns: Seque
 def holds_states(layer) -> bool:
     """Does the layer hold keys and values (or a recurrent layer its states) yet (layers initialise lazily; a
     KV-shared layer never does)?"""
-    if type(layer) in STATEFUL:
-        return STATEFUL[type(layer)].holds(layer)
-    return getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0
+    return backend_for(layer).holds(layer)
 
 
 def layer_columns(layer) -> int:
@@ -130,6 +129,13 @@ class LayerBackend(Protocol):
     lendable: bool  # can an early-exit view share this layer's tensors (a forward concatenates into new ones)?
     branches: bool  # can one forward write a trie (several continuations of a token, each seeing its own path)?
     rows_apart: str | None  # why the rows of a batch cannot keep different numbers of tokens a round (None: they can)
+    attends: bool  # does the layer attend over cache columns (a 2-D mask addresses them)? (Mamba's: no)
+
+    def holds(self, layer) -> bool: ...
+
+    def prepare(self, layer, inputs: int) -> None: ...
+
+    def keep_rows(self, layer, start: int, kept: torch.LongTensor, retain: bool) -> None: ...
 
     def crop(self, layer, length: int, window: bool) -> None: ...
 
@@ -151,7 +157,23 @@ class LayerBackend(Protocol):
     def lend(self, mine, theirs) -> None: ...
 
 
-class FullAttention:
+class Columns:
+    """What a layer of one key/value column per token shares: it holds keys once initialised, a crop undoes a
+    forward (nothing to record before it), and a keep's columns are the store's to crop or gather."""
+
+    attends = True
+
+    def holds(self, layer) -> bool:
+        return getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0
+
+    def prepare(self, layer, inputs: int) -> None:
+        """Nothing to record: a crop undoes the forward."""
+
+    def keep_rows(self, layer, start: int, kept: torch.LongTensor, retain: bool) -> None:
+        """The kept columns are the store's to crop or gather."""
+
+
+class FullAttention(Columns):
     """A ``DynamicLayer``: one key/value column per token, every column held; a forward concatenates new ones."""
 
     holds_holes = True
@@ -245,7 +267,7 @@ class SlidingWindow(FullAttention):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class Stateless:
+class Stateless(Columns):
     """A ``DummyLayer``: a layer that keeps no cache. A KV-shared consumer layer (Gemma 3n, Gemma 4 with
     ``num_kv_shared_layers``) reads the keys and values its producer layer (the last earlier layer of its type)
     returned in the same forward (``shared_kv_states``), under the same mask as the producer (masks go by layer
@@ -410,7 +432,7 @@ def _holds_indexer(layer) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class StaticAttention:
+class StaticAttention(Columns):
     """A ``StaticLayer``: keys and values in buffers of a fixed number of columns ([B, H, max_cache_len, D]),
     allocated at the first forward. A forward writes its columns at the layer's write position
     (``cumulative_length``, a tensor changed in place) and attends over the whole buffer, the columns past the
@@ -865,16 +887,11 @@ class RecurrentAndAttention(Recurrent):
 FULL_ATTENTION = FullAttention()
 RECURRENT = Recurrent()
 # layers that carry states through their inputs (``prepare`` before a forward, ``keep_rows`` at a keep)
-STATEFUL: Mapping[type, Recurrent] = {LinearAttentionLayer: RECURRENT,
-                                      LinearAttentionAndFullAttentionLayer: RecurrentAndAttention()}
-
-
 def prepare(layers, inputs: int) -> None:
     """Before a forward of ``inputs`` inputs over ``layers`` (a cache's) that may be rolled back (0: a prompt
     read, kept whole): its stateful layers record the state before each input (``Recurrent.prepare``)."""
     for layer in layers:
-        if type(layer) in STATEFUL:
-            STATEFUL[type(layer)].prepare(layer, inputs)
+        backend_for(layer).prepare(layer, inputs)
 
 
 def keep_rows(layers, start: int, kept: torch.LongTensor, retain: bool = True) -> None:
@@ -882,13 +899,14 @@ def keep_rows(layers, start: int, kept: torch.LongTensor, retain: bool = True) -
     ``layers`` restore each row's states (``Recurrent.keep_rows``; ``retain``: holding what goes back over those
     inputs until the next keep); the others' columns are the store's to crop."""
     for layer in layers:
-        if type(layer) in STATEFUL and STATEFUL[type(layer)].holds(layer):
-            STATEFUL[type(layer)].keep_rows(layer, start, kept, retain)
+        backend = backend_for(layer)
+        if backend.holds(layer):
+            backend.keep_rows(layer, start, kept, retain)
 
 
 def attends(layers) -> bool:
     """Does any of ``layers`` attend over cache columns (else a model takes no mask over them: Mamba)?"""
-    return any(STATEFUL[type(layer)].attends if type(layer) in STATEFUL else True for layer in layers)
+    return any(backend_for(layer).attends for layer in layers)
 
 
 BACKENDS: Mapping[type, LayerBackend] = {
@@ -897,7 +915,8 @@ BACKENDS: Mapping[type, LayerBackend] = {
     **BUFFERED,  # static caches
     DummyLayer: Stateless(),
     DynamicIndexedLayer: Indexed(),
-    **STATEFUL,  # recurrent and hybrid layers
+    LinearAttentionLayer: RECURRENT,  # recurrent and hybrid layers
+    LinearAttentionAndFullAttentionLayer: RecurrentAndAttention(),
 }
 
 
