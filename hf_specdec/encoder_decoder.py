@@ -121,12 +121,17 @@ class EncoderStates:
     # row selection leaves them out
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+    # the encoder's output as generate() made it, of the model's own class (its other fields, such as an encoder's
+    # downsampled ``attention_mask`` or MoE ``router_logits``, are read by some decoders' forwards); None: built
+    # from ``hidden``
+    outputs: Any = None
 
     def kwargs(self) -> dict[str, Any]:
         """The forward arguments that carry them."""
         if self.reading is EncoderReading.SHARED:
             return {"encoder_outputs": self.hidden}
-        out: dict[str, Any] = {"encoder_outputs": BaseModelOutput(last_hidden_state=self.hidden)}
+        given = self.outputs if self.outputs is not None else BaseModelOutput(last_hidden_state=self.hidden)
+        out: dict[str, Any] = {"encoder_outputs": given}
         if self.mask is not None:
             out["attention_mask"] = self.mask
         return out
@@ -134,11 +139,25 @@ class EncoderStates:
     def select_rows(self, index: torch.Tensor) -> "EncoderStates":
         """The same states for the batch rows ``index``, in that order."""
         index = index.to(self.hidden.device)
-        return EncoderStates(self.hidden[index], None if self.mask is None else self.mask[index], self.reading)
+        rows = self.hidden.shape[0]
+        outputs = None if self.outputs is None else type(self.outputs)(
+            **{name: _rows_of(value, index, rows) for name, value in self.outputs.items()})
+        return EncoderStates(self.hidden[index], None if self.mask is None else self.mask[index], self.reading,
+                             outputs=outputs)
 
     def shared(self) -> "EncoderStates":
         """As a decoder-only model reading this encoder takes them."""
         return EncoderStates(self.hidden, self.mask, EncoderReading.SHARED)
+
+
+def _rows_of(value, index: torch.Tensor, rows: int):
+    """``value`` (a tensor of the batch, first dimension ``rows``, or a tuple of them) at the rows ``index``; a value
+    not laid out by batch row stays as it is (no decoder forward reads one by row)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows_of(part, index, rows) for part in value)
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+        return value[index.to(value.device)]
+    return value
 
 
 def check_inputs(model, model_kwargs: Mapping[str, Any]) -> None:
@@ -180,7 +199,8 @@ def decoder_view(model, model_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any]
     mask = model_kwargs.get("attention_mask")
     per_layer = {name: None if isinstance(encoded, (tuple, list)) else encoded.get(name)
                  for name in ("hidden_states", "attentions")}  # (as plain generate() reads them)
-    states = EncoderStates(hidden, mask, **per_layer)
+    states = EncoderStates(hidden, mask, **per_layer,
+                           outputs=None if isinstance(encoded, (tuple, list)) else encoded)
     view = {name: value for name, value in model_kwargs.items()
             if name not in ("encoder_outputs", "attention_mask") and name not in DECODER_ARGUMENTS.values()}
     for name, decoder_name in DECODER_ARGUMENTS.items():
@@ -189,10 +209,12 @@ def decoder_view(model, model_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any]
     return view, states
 
 
-def draft_states(draft_model, target: EncoderStates, inputs_tensor: torch.Tensor | None) -> EncoderStates | None:
+def draft_states(draft_model, target: EncoderStates, inputs_tensor: torch.Tensor | None,
+                 given: Mapping[str, Any] | None = None) -> EncoderStates | None:
     """The encoder states ``draft_model``'s forwards read, for a call whose target reads ``target``: an
     encoder-decoder draft's own, its encoder run once on ``inputs_tensor`` (the call's encoder input) with the
-    target's encoder mask, as transformers' assisted generation runs it; the target's, for a decoder-only draft
+    target's encoder mask and the call's other inputs its forward takes (``given``: a document's boxes, its
+    images), as transformers' assisted generation runs it; the target's, for a decoder-only draft
     that reads an encoder (its encoder must be the target's: distil-whisper); None for any other draft (it
     drafts from the decoder tokens alone)."""
     if not reads_encoder(draft_model):
@@ -208,13 +230,18 @@ def draft_states(draft_model, target: EncoderStates, inputs_tensor: torch.Tensor
         raise ValueError("An encoder-decoder draft runs its own encoder on the call's inputs, which generate() did "
                          "not hand over; call model.generate(inputs, ...) (not with encoder_outputs=).")
     config = copy.deepcopy(draft_model.generation_config)
-    kwargs: dict[str, Any] = {} if target.mask is None else {"attention_mask": target.mask}
+    kwargs: dict[str, Any] = {name: value for name, value in (given or {}).items()  # (the encoder input is
+                              if name not in DECODER_ARGUMENTS.values() and name != draft_model.main_input_name}
+    # ``inputs_tensor``)
+    if target.mask is not None:
+        kwargs["attention_mask"] = target.mask
     inputs, name, kwargs = draft_model._prepare_model_inputs(inputs_tensor, config.bos_token_id, kwargs)
     with torch.no_grad():
         kwargs = draft_model._maybe_prepare_encoder_kwargs_for_generation(inputs, kwargs, name, config)
     encoded = kwargs["encoder_outputs"]
-    hidden = encoded[0] if isinstance(encoded, (tuple, list)) else encoded.last_hidden_state
-    return EncoderStates(hidden, target.mask, EncoderReading.OWN)
+    if isinstance(encoded, (tuple, list)):
+        return EncoderStates(encoded[0], target.mask, EncoderReading.OWN)
+    return EncoderStates(encoded.last_hidden_state, target.mask, EncoderReading.OWN, outputs=encoded)
 
 
 def draft_reads_ids_only(draft_model) -> bool:

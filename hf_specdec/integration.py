@@ -316,7 +316,7 @@ def _draft_inputs(draft_model, inputs: DecodeInputs, given: dict | None,
             raise Unsupported(f"The draft {type(draft_model).__name__} is an encoder-decoder and the target "
                               f"{type(inputs.target).__name__} is not: an encoder-decoder draft drafts for an "
                               "encoder-decoder target. Use a causal LM sharing the target's tokenizer as the draft.")
-        states = ed.draft_states(draft_model, encoder, inputs_tensor)
+        states = ed.draft_states(draft_model, encoder, inputs_tensor, given)
         return NO_INPUTS if states is None else ModelInputs(encoder=states, rows=int(inputs.input_ids.shape[0]))
     if not given or not _draft_reads_caller_layout(inputs):
         return inputs.model_inputs.for_draft(draft_model)

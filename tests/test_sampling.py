@@ -381,8 +381,9 @@ def test_rejects_processors_at_the_wrong_prefix(target, exact, clock, monkeypatc
     """A loop that processes every trie row with the committed tokens only (the repetition penalty then misses
     the round's own draft tokens) is caught: the processors must see each node's path."""
 
-    def committed_prefix_only(inputs, ids, proposal, logits):
-        return torch.cat([inputs.logits_processor(ids, logits[i: i + 1]) for i in range(logits.shape[0])])
+    def committed_prefix_only(inputs, requests):  # per request: (row, committed ids, proposal, logits)
+        return [torch.cat([inputs.logits_processor(ids, logits[i: i + 1]) for i in range(logits.shape[0])])
+                for _, ids, _, logits in requests]
 
     monkeypatch.setattr(loop, "_process", committed_prefix_only)
     counts, _ = draw(target, DRAWS, seed=2, **SAMPLING, **speculative(target, num_draft_tokens=4))
