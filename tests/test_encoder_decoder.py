@@ -293,6 +293,26 @@ def test_whisper_assistant_greedy_is_plain(whisper_target, kind):
     assert_drafted(target)
 
 
+def test_a_wrapped_whisper_generate_is_still_whispers(whisper_target):
+    """A class whose generate() is Whisper's behind a wrapper that names it (``functools.wraps``: a library's
+    decorator) is routed as Whisper's, not refused as a generate of its own."""
+
+    class Wrapped(type(whisper_target)):
+        @functools.wraps(type(whisper_target).generate)
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    target = copy.deepcopy(whisper_target)
+    target.__class__ = Wrapped
+    inputs = features()
+    expected = type(whisper_target).generate(target, inputs, max_new_tokens=NEW, do_sample=False)
+    hf_specdec.enable(target)
+    out = target.generate(inputs, assistant_model=truncated(target), spec_config=FIXED, max_new_tokens=NEW,
+                          do_sample=False)
+    assert torch.equal(out, expected)
+    assert_drafted(target)
+
+
 def test_whisper_decoder_only_draft_reads_the_targets_encoder_states(whisper_target):
     """The WhisperForCausalLM draft's forwards get the very encoder states the target's got (no second encoder run)."""
     target = copy.deepcopy(whisper_target)

@@ -20,11 +20,11 @@ from hf_specdec.cache import KVStore
 from hf_specdec.layout import BatchInputs
 from hf_specdec.models.tiny import perturbed_copy
 from hf_specdec.support import Unsupported, check_supported, tree_refusal
+from tests.test_batch import PAD, left_padded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 24
-PAD = 0
 SLIDING, FULL = "sliding_attention", "full_attention"
 FIXED = {"policy": "fixed", "num_draft_tokens": 4}  # drafts every round, whatever this machine's timings
 SHAPE = {"window": 4, "ngram": 3, "max_candidates": 4}  # lookahead verifies guesses every round
@@ -79,16 +79,6 @@ def pair(request):
     """(name, target, draft): the draft a perturbed copy of the target, so it agrees with it often, not always."""
     target = MODELS[request.param]()
     return request.param, target, perturbed_copy(target, scale=DRAFT_NOISE)
-
-
-def left_padded(prompts):
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    return ids, mask
 
 
 def plain(model, ids, mask):

@@ -197,16 +197,21 @@ def test_qwen2_vl_equals_plain_generate(qwen2_vl, mode, batch, monkeypatch):
     _routed_check(qwen2_vl, ids, kwargs, mode, monkeypatch)
 
 
+def _stopping_check(model, ids, kwargs, mode, stop):
+    """``_check`` of ``model`` (a multimodal draft, or lookahead) with ``stop`` as EOS; returns plain's output."""
+    draft = perturbed_copy(model, 0.1, relative=True)
+    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(model)[mode]
+    _check(model, ids, dict(kwargs, eos_token_id=stop), routed, mode)
+    return type(model).generate(model, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=stop,
+                                **kwargs)
+
+
 @pytest.mark.parametrize("mode", ["speculative", "lookahead"])
 def test_qwen2_vl_rows_that_stop_take_their_positions_along(qwen2_vl, mode):
     """Row 0 stops at its second token (STOP, which row 1 never emits); row 1 goes on alone at its own
     rope_delta (-4, not row 0's -2)."""
     ids, kwargs = qwen2_vl_inputs(2)
-    draft = perturbed_copy(qwen2_vl, 0.1, relative=True)
-    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(qwen2_vl)[mode]
-    _check(qwen2_vl, ids, dict(kwargs, eos_token_id=STOP), routed, mode)
-    out = type(qwen2_vl).generate(qwen2_vl, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
-                                  eos_token_id=STOP, **kwargs)
+    out = _stopping_check(qwen2_vl, ids, kwargs, mode, STOP)
     width = ids.shape[1]
     assert out[0, width + 1] == STOP and bool((out[0, width + 2:] == PAD).all()) and STOP not in out[1, width:]
 
@@ -351,11 +356,7 @@ def test_idefics_rows_that_stop_leave_their_images(idefics, mode):
     """Row 0 stops at its second token; row 1 goes on alone with its own two encoded images (the batch's encoded
     images are two per row: the rows that stop take theirs along)."""
     ids, kwargs = idefics_inputs(2)
-    draft = perturbed_copy(idefics, 0.1, relative=True)
-    routed = dict(assistant_model=draft, spec_config=FIXED) if mode == "speculative" else modes(idefics)[mode]
-    _check(idefics, ids, dict(kwargs, eos_token_id=IDEFICS_STOP), routed, mode)
-    out = type(idefics).generate(idefics, ids, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
-                                 eos_token_id=IDEFICS_STOP, **kwargs)
+    out = _stopping_check(idefics, ids, kwargs, mode, IDEFICS_STOP)
     assert out[0, ids.shape[1] + 1] == IDEFICS_STOP and IDEFICS_STOP not in out[1, ids.shape[1]:]
 
 

@@ -23,14 +23,9 @@ from hf_specdec.drafters.early_exit import EarlyExit
 from hf_specdec.models.tiny import perturbed_copy, tiny_model
 from hf_specdec.stats import last_spec_stats
 from hf_specdec.support import Unsupported
-from tests.test_cache_in import assert_drafted, mode
+from tests.test_cache_in import BATCH, BATCH_MASK, FIXED, PROMPT, assert_drafted, mode
 
 NEW = 16
-FIXED = {"policy": "fixed", "num_draft_tokens": 4}
-PROMPT = torch.tensor([[5, 17, 42, 8, 23, 61, 5, 17, 42, 8, 23, 61]])
-BATCH = torch.tensor([[5, 17, 42, 8, 23, 61, 5, 17, 42, 8, 23, 61],
-                      [0, 0, 0, 9, 33, 71, 12, 9, 33, 71, 12, 9]])
-BATCH_MASK = torch.tensor([[1] * 12, [0, 0, 0] + [1] * 9])
 MODES = ["speculative", "lookahead"]
 
 
