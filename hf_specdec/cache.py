@@ -1,4 +1,4 @@
-"""The one place that touches KV caches and calls a model.
+"""The one model call, and the slot table of a call's cache (each layer's tensors are its backend's: backends.py).
 
 Speculation writes KV for tokens that may be thrown away, so every cache it uses must be able to forget them.
 ``KVStore`` keeps the slot table (which columns each row keeps, at which positions) and asks each layer's backend
@@ -359,7 +359,7 @@ class KVStore:
         self.speculated, self.fixed = split_cache(self.cache)
         self.layers = self.speculated.layers
         self._caching = model if head is None else getattr(model, model.base_model_prefix)  # the model its layers run
-        self.backends = layer_backends(self._caching, self.layers)  # one per layer: each one's kind, as used here
+        self._backends: tuple = ()  # one per layer: each one's kind, as this model uses it (``backends``)
         self.buffers = Buffers.of(self.layers)  # a static cache's preallocated buffers (None: a dynamic cache)
         self._recording = [(layer, layer.record_past) for layer in self.layers if hasattr(layer, "record_past")]
         for layer, _ in self._recording:
@@ -383,6 +383,14 @@ class KVStore:
         self.gathers = 0  # how many times columns were gathered (``compact``, or ``keep`` where holes cannot stay)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+
+    @property
+    def backends(self) -> tuple:
+        """Each layer's backend (``backends.layer_backends``), as many as the cache has layers: a cache may add
+        layers in a forward (one made without its config, or a model's extra layers), which get theirs then."""
+        if len(self._backends) != len(self.layers):
+            self._backends = layer_backends(self._caching, self.layers)
+        return self._backends
 
     @property
     def num_rows(self) -> int:
