@@ -92,7 +92,7 @@ def speculative_generate(
     check_supported(model, "speculative", rows)
     source = draft_source(draft_model, model, speculative_memory)  # "auto" early exit: the N the memory prices best
     draft = _checked_draft(source, rows)  # the model whose forwards draft; None: a drafter of one's own
-    config = _with_trees(config, model, draft, rows)
+    config = _with_trees(config, model, draft)
     inputs = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                       spec_streamer)
     origin = call_start_speculative(speculative_memory, model, source)  # seeds a memory's first call
@@ -168,7 +168,7 @@ def _checked_draft(source: DraftSource, rows: int):
     return source.model
 
 
-def _with_trees(config: SpecConfig, model, draft_model, rows: int) -> SpecConfig:
+def _with_trees(config: SpecConfig, model, draft_model) -> SpecConfig:
     """``tree="auto"`` becomes "off" where the target or the draft model cannot read a tree in one forward
     (``support.tree_refusal``: position ids, a 4-D mask); ``tree="on"`` is refused there. ``draft_model`` None: a
     drafter of one's own, which says in its offers whether it drafts trees."""
