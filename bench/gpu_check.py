@@ -19,8 +19,21 @@ Random-weight models of the real Qwen2.5-Coder-1.5B / 0.5B shapes are built on t
    adaptive: tokens/s against plain decoding, rounds, and whether the output is identical to plain greedy (bf16
    verification over several tokens may flip an exact near-tie; the count is reported, not asserted).
 
-Random weights make random text; what is measured is cost, not quality. The whole run takes about a minute on
-an H200 (a few seconds with ``--tiny``).
+5. ``modes`` (per dtype of ``--dtypes``: bf16 and fp16 on CUDA): end-to-end decoding with a draft that agrees with
+   the target (the target's layers past the first ``AGREE_LAYERS`` add zero to the residual stream, x + 0 = x in
+   every dtype, and the draft is those first layers with the target's embeddings, norm and head, so every greedy
+   draft token is kept and the modes differ only in rounds and host work): plain ``generate`` eager and static
+   (+ compiled where transformers compiles: CUDA with a static cache, or a ``compile_config``), transformers'
+   assisted generation (its defaults; k = 4 constant; static), hf_specdec (``enable(model)`` defaults; fixed k = 4;
+   ``cache_implementation="static"`` with the same ``compile_config``). Per mode: tok/s, rounds, time in the
+   target's and draft's forwards (module hooks), host ms per round (the rest over the verify forwards), and
+   whether the output is token-identical to plain eager greedy (bf16/fp16 verification over several tokens may
+   flip an exact near-tie: reported, not asserted). Modes run in a balanced order (``eval/interleave.py``).
+
+Random weights make random text; what is measured is cost, not quality. The bundled GGUF pair cannot travel to a
+lent machine (no hub, and the copy carried there is 64 MiB at most), so the Qwen2.5-Coder shapes stand in for it.
+The whole run is sized for about 6 minutes on an H100 (``--skip`` drops sections; ``--dtypes bf16`` halves
+``modes``); a few seconds with ``--tiny``.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # eval/, when run as bench/gpu_check.py
 
 QWEN_1_5B = {  # Qwen/Qwen2.5-Coder-1.5B-Instruct config.json (architecture fields)
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 1536,
@@ -297,6 +312,157 @@ def measure_scripted(target, vocab: int, rights: tuple[int, ...], k: int, new_to
     return rows
 
 
+# -- 5. end-to-end modes with an agreeing draft ---------------------------------------------------------------------
+AGREE_LAYERS = 2  # the draft's layers: the target's first ones; the target's others add zero
+MODES = ("plain", "plain_static", "hf_default", "hf_k4", "hf_static", "specdec_default", "specdec_k4",
+         "specdec_static")
+
+
+def agreeing_pair(target_dict: dict, dtype: str, device: str):
+    """(target, draft): a random target whose layers past the first ``AGREE_LAYERS`` add zero to the residual
+    stream (their output projections are zero), and a draft holding its first layers, embeddings, norm and head."""
+    target, config = build(target_dict, dtype, device)
+    with torch.no_grad():
+        for layer in target.model.layers[AGREE_LAYERS:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:AGREE_LAYERS]
+    draft.config.num_hidden_layers = AGREE_LAYERS
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:AGREE_LAYERS]
+    return target.eval(), draft.eval(), config
+
+
+class ForwardClock:
+    """Seconds inside the forwards of the given modules (pre/post hooks; on CUDA each hook synchronises, so the
+    clock reads the kernels' time, not their launch), and how many calls."""
+
+    def __init__(self, modules, device: torch.device):
+        self.device, self.seconds, self.calls, self._start = device, 0.0, 0, 0.0
+        self.handles = [h for m in modules for h in (m.register_forward_pre_hook(self._pre),
+                                                       m.register_forward_hook(self._post))]
+
+    def _pre(self, module, args):
+        sync(self.device)
+        self._start = time.perf_counter()
+
+    def _post(self, module, args, output):
+        sync(self.device)
+        self.seconds += time.perf_counter() - self._start
+        self.calls += 1
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def compile_config(device: torch.device, tiny: bool):
+    """transformers' ``CompileConfig`` for the static modes: its defaults on CUDA (inductor, CUDA graphs); on a
+    CPU smoke run the eager backend, asked for on every device (``_compile_all_devices``), so the path runs in
+    seconds."""
+    from transformers import CompileConfig
+
+    if device.type == "cuda" and not tiny:
+        return CompileConfig()
+    config = CompileConfig(backend="eager", mode=None) if tiny else CompileConfig(mode=None)
+    config._compile_all_devices = True  # noqa: SLF001 - transformers' own switch for compiling off CUDA
+    return config
+
+
+def run_mode(mode: str, target, draft, ids, new_tokens: int, compiled):
+    """One greedy call of ``mode``: (sequences, hf_specdec's stats or None)."""
+    from transformers import GenerationConfig
+
+    kwargs = generate_kwargs(ids, new_tokens)
+    static = dict(cache_implementation="static", compile_config=compiled)
+    gc, default = draft.generation_config, GenerationConfig()
+    knobs = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    for name in knobs:  # transformers' defaults unless the mode sets k = 4
+        setattr(gc, name, getattr(default, name))
+    if mode in ("hf_k4", "specdec_k4"):
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = \
+            4, "constant", 0.0
+    own = type(target).generate  # transformers' own, past enable()
+    if mode == "plain":
+        return own(target, **kwargs), None
+    if mode == "plain_static":
+        return own(target, **kwargs, **static), None
+    if mode in ("hf_default", "hf_k4"):
+        return own(target, **kwargs, assistant_model=draft), None
+    if mode == "hf_static":
+        return own(target, **kwargs, assistant_model=draft, **static), None
+    spec = {"policy": "fixed", "num_draft_tokens": 4} if mode == "specdec_k4" else None
+    extra = static if mode == "specdec_static" else {}
+    out = target.generate(**kwargs, assistant_model=draft, spec_config=spec, **extra)
+    return out, target.last_spec_stats
+
+
+def measure_modes(target_dict: dict, dtype: str, device: str, new_tokens: int, runs: int, tiny: bool) -> dict:
+    """Section 5 for one dtype (module docstring)."""
+    import hf_specdec
+    from eval.interleave import order as run_order
+
+    dev = torch.device(device)
+    target, draft, config = agreeing_pair(target_dict, dtype, device)
+    hf_specdec.enable(target)
+    compiled = compile_config(dev, tiny)
+    clocks = {"target": ForwardClock([target.model, target.lm_head], dev),
+              "draft": ForwardClock([draft.model, draft.lm_head], dev)}
+    prompts = [prompt_ids(config.vocab_size, 32 + 7 * i, device) for i in range(runs)]
+    totals = {m: dict(tokens=0, seconds=0.0, target_s=0.0, draft_s=0.0, verify_forwards=0, identical=0,
+                      failed=None) for m in MODES}
+    with torch.inference_mode():
+        for mode in MODES:  # a warm-up call each (compiles what the mode compiles)
+            try:
+                _, seconds = timed(lambda: run_mode(mode, target, draft, prompts[0], new_tokens, compiled), dev)
+                totals[mode]["warmup_s"] = seconds
+            except Exception as error:  # noqa: BLE001 - a mode that cannot run here is reported, the others go on
+                totals[mode]["failed"] = f"{type(error).__name__}: {error}"[:300]
+                log(f"{dtype} {mode}: failed: {totals[mode]['failed']}")
+        live = [m for m in MODES if totals[m]["failed"] is None]
+        for index, ids in enumerate(prompts):
+            reference = type(target).generate(target, **generate_kwargs(ids, new_tokens))
+            for mode in run_order(live, index):
+                for clock in clocks.values():
+                    clock.reset()
+                (out, _), seconds = timed(lambda: run_mode(mode, target, draft, ids, new_tokens, compiled), dev)
+                row = totals[mode]
+                row["tokens"] += out.shape[1] - ids.shape[1]
+                row["seconds"] += seconds
+                row["target_s"] += clocks["target"].seconds
+                row["draft_s"] += clocks["draft"].seconds
+                row["verify_forwards"] += max(0, clocks["target"].calls // 2 - 1)  # decoder + head; less the prefill
+                row["identical"] += int(torch.equal(out.to(reference.device), reference))
+    for clock in clocks.values():
+        clock.close()
+    for mode in live:
+        row = totals[mode]
+        row["tok_s"] = row["tokens"] / row["seconds"]
+        row["host_s"] = row["seconds"] - row["target_s"] - row["draft_s"]
+        row["host_ms_per_round"] = 1e3 * row["host_s"] / max(1, row["verify_forwards"])
+        log(f"{dtype} {mode}: {row['tok_s']:.1f} tok/s, host {row['host_ms_per_round']:.2f} ms/round, "
+            f"identical {row['identical']}/{runs}")
+    ratios = {}
+
+    def ratio(a: str, b: str, key: str = "tok_s"):
+        if a in live and b in live and totals[b][key]:
+            ratios[f"{key}_{a}_over_{b}"] = totals[a][key] / totals[b][key]
+
+    ratio("specdec_k4", "hf_k4", "host_s")
+    ratio("specdec_k4", "hf_k4")
+    ratio("specdec_default", "hf_default")
+    ratio("specdec_default", "plain")
+    ratio("specdec_static", "plain_static")
+    ratio("specdec_static", "hf_static")
+    del target, draft
+    return {"dtype": dtype, "agree_layers": AGREE_LAYERS, "runs": runs, "new_tokens": new_tokens,
+            "compile_config": compiled.to_dict(), "modes": totals, "ratios": ratios}
+
+
 # -- main -----------------------------------------------------------------------------------------------------------
 def environment(device: str) -> dict:
     import transformers
@@ -323,11 +489,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, help="bf16 (default on CUDA) or fp32 (default on CPU)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per generation (default 128, tiny 24)")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per mode, median (default 3, tiny 1)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: profile,overhead,scripted")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated sections to skip: profile,overhead,scripted,modes")
+    parser.add_argument("--dtypes", default=None,
+                        help="dtypes of the t(n) and modes sections (default: bf16,fp16 on CUDA; --dtype on CPU)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available (use --device cpu --tiny for the smoke test)")
     dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    dtypes = (args.dtypes.split(",") if args.dtypes
+              else ["bf16", "fp16"] if args.device.startswith("cuda") and not args.dtype else [dtype])
     new_tokens = args.new_tokens or (24 if args.tiny else 128)
     runs = args.runs or (1 if args.tiny else 3)
     repeats = 2 if args.tiny else 10
@@ -335,7 +506,7 @@ def main(argv=None) -> int:
     target_dict, draft_dict = (TINY_TARGET, TINY_DRAFT) if args.tiny else (QWEN_1_5B, QWEN_0_5B)
     started = time.perf_counter()
     torch.manual_seed(0)
-    report: dict = {"schema": "hf_specdec.gpu_check/1", "environment": environment(args.device), "dtype": dtype,
+    report: dict = {"schema": "hf_specdec.gpu_check/2", "environment": environment(args.device), "dtype": dtype,
                     "tiny": args.tiny, "configs": {"target": target_dict, "draft": draft_dict}}
     log(f"building random {'tiny' if args.tiny else 'Qwen2.5-Coder 1.5B / 0.5B'} models in {dtype} on {args.device}")
     target, target_config = build(target_dict, dtype, args.device)
@@ -344,6 +515,13 @@ def main(argv=None) -> int:
     report["t_n"] = t_n = measure_t_n(target, draft, vocab, repeats)
     log(f"t(1) {t_n['t_ms']['1']:.2f} ms, v(8) {t_n['v']['8']:.2f}, v(32) {t_n['v']['32']:.2f}, c {t_n['c']:.3f}")
     del draft
+    others = [d for d in dtypes if d != dtype]
+    report["t_n_by_dtype"] = {dtype: t_n}
+    for other in others:  # t(n) in each other dtype asked for, on models built in it
+        other_target, _ = build(target_dict, other, args.device)
+        other_draft, _ = build(draft_dict, other, args.device)
+        report["t_n_by_dtype"][other] = measure_t_n(other_target, other_draft, vocab, repeats)
+        del other_target, other_draft
     if "profile" not in skip:
         formats = ("bf16", "fp16") if args.device.startswith("cuda") else ("bf16", "fp32")
         report["profile"] = measure_profile(target, target_config, draft_config, t_n, args.device, formats)
@@ -353,6 +531,9 @@ def main(argv=None) -> int:
     if "scripted" not in skip:
         report["scripted"] = measure_scripted(target, vocab, (0, 1, 2, 4, 8) if not args.tiny else (0, 2, 4),
                                               8 if not args.tiny else 4, new_tokens, runs)
+    if "modes" not in skip:
+        del target
+        report["modes"] = [measure_modes(target_dict, d, args.device, new_tokens, runs + 1, args.tiny) for d in dtypes]
     report["seconds"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(report, indent=1))
     log(f"wrote {args.out} ({report['seconds']:.0f} s)")
