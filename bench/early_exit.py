@@ -127,10 +127,10 @@ def agreement(model, ids: torch.Tensor, new: torch.Tensor) -> dict[int, tuple[in
 
 def best(cost: float, acceptance: float, longest: int = 12):
     """``costmodel.best_round`` in plain steps: a draft step ``cost``, t(n) flat up to ``longest + 1`` inputs."""
-    from hf_specdec.costmodel import ForwardCost, ForwardPrice, best_round, prefix_gains
+    from hf_specdec.costmodel import ForwardCost, RoundCost, best_round, prefix_gains
 
     flat = ForwardCost.from_table({n: 1.0 for n in range(1, longest + 2)})
-    return best_round(ForwardPrice(flat, t_draft=cost), prefix_gains([acceptance] * longest))
+    return best_round(RoundCost(flat, t_draft=cost), prefix_gains([acceptance] * longest))
 
 
 def timed(fn):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
-from hf_specdec.costmodel import ForwardCost
+from hf_specdec.costmodel import Bound, ForwardCost, RoundCost
 
 # --- small helpers -------------------------------------------------------------------------------------------
 
@@ -251,18 +251,16 @@ def spec_table(rows: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[s
     return table
 
 
-def verify_cost_curve(v: Mapping[int, float] | Callable[[int], float]) -> Callable[[int], float]:
-    """v(n) from measured points through the core's one cost curve (``ForwardCost``): v(1) = 1 by definition,
-    sizes n >= 2 made monotone, linear in between, the slope of the two largest points continued past them."""
-    if callable(v):
-        return v
+def verify_cost_curve(v: Mapping[int, float]) -> ForwardCost:
+    """v(n) from measured points as the core's one cost curve (``ForwardCost``): v(1) = 1 by definition, sizes
+    n >= 2 made monotone, linear in between (priced at ``Bound.WORST``: the slope of the two largest points
+    continued past them)."""
     table = {int(k): float(x) for k, x in v.items()}
     table.setdefault(1, 1.0)
-    curve = ForwardCost.from_table(table)
-    return lambda n: curve.estimate(n, extrapolate=True)
+    return ForwardCost.from_table(table)
 
 
-def oracle_bound(agreement: list[bool], c: float, v: Mapping[int, float] | Callable[[int], float]) -> dict[str, Any]:
+def oracle_bound(agreement: list[bool], c: float, v: Mapping[int, float]) -> dict[str, Any]:
     """Speedup of a perfect stop rule for this draft, in units of one plain target step.
 
     ``agreement[i]`` = the draft's argmax equals the target's token i (teacher forced over the plain greedy
@@ -270,9 +268,9 @@ def oracle_bound(agreement: list[bool], c: float, v: Mapping[int, float] | Calla
     correct tokens followed by a wrong one is one round that drafts r tokens and emits r + 1 (the r accepted plus
     the target's own token), costing ``r * c + v(r + 1)``; a run that reaches the end of the sequence emits r and
     costs ``r * c + v(r)``. Plain decoding costs 1 per token, so speedup = tokens / sum of round costs.
-    (r = 0 is a plain step: v(1) = 1.)
+    (r = 0 is a plain step: v(1) = 1.) Each round is priced by the core's one price (``costmodel.RoundCost``).
     """
-    vf = verify_cost_curve(v)
+    price = RoundCost(verify_cost_curve(v), t_draft=c)
     n = len(agreement)
     i, cost, rounds = 0, 0.0, 0
     runs = []
@@ -284,7 +282,7 @@ def oracle_bound(agreement: list[bool], c: float, v: Mapping[int, float] | Calla
             emitted, verified = r + 1, r + 1
         else:
             emitted, verified = r, r
-        cost += r * c + (vf(verified) if verified else 0.0)
+        cost += price.round(r, extra=verified - r - 1, bound=Bound.WORST)
         rounds += 1
         runs.append(r)
         i += emitted

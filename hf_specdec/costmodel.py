@@ -5,9 +5,10 @@ two kinds of numbers, both measured on the machine it runs on and never assumed:
 
 - costs: ``ForwardCost`` t(n), seconds of one target forward over n new tokens (monotone, interpolated), and
   another of the seconds of one draft-model step over n rows, t_d (it grows with the batch, as t(n) does);
-  ``ForwardPrice``, the one price of a round's forward that every decision reads (its extrapolation rules are
-  written there once); ``ReadCost``, the draft model's prompt read priced by its structure, as a share of the
-  target's read of the same prompt;
+  ``RoundCost``, the one price of a round (draft work, the verify forward and its holes, the draft's prompt
+  read, what a finished round took) that every decision reads (its extrapolation rules are written there
+  once); ``ReadCost``, the draft model's prompt read priced by its structure, as a share of the target's read
+  of the same prompt;
 - acceptance: ``DecayedAcceptance``, P(a guess at position i is accepted | the guesses before it were), one per
   source of guesses (the draft model, prompt lookup, the lookahead pool, ...), decayed counts with a Beta prior.
 
@@ -31,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .round import SourceKind
+from .round import RoundOutcome, SourceKind, TreeShape
 
 
 class Ema:
@@ -231,14 +232,15 @@ class ForwardCost:
 
 
 class Bound(enum.Enum):
-    """How a price treats forward sizes past the largest one measured (``ForwardPrice``).
+    """How a price treats forward sizes past the largest one measured (``RoundCost``).
 
     EXPECTED: what a round is expected to cost. For one row, flat past the largest measured size (optimistic: t(n)
         is flat up to a few dozen inputs on every device measured, and a larger forward is tried once, then
         known); for a batch the slope of the two largest sizes continues (a B x n forward is far past where t
         stays flat). A size priced only by its seed (the hardware profile) past the largest measured here is
-        priced as the measured curve continues when what that could lose fits in the regret allowance: the round
-        then measures it (a profile that overpriced a size would otherwise keep rounds from ever reaching it).
+        priced as the measured curve continues when the planner says a round may lose the difference
+        (``RoundCost.may_lose``, its regret account): the round then measures it (a profile that overpriced a
+        size would otherwise keep rounds from ever reaching it).
     WORST: the slope of the two largest measured sizes, continued. For what cannot be undone once run: a round
         sized by its worst case, a prompt read decided on what it saves.
     """
@@ -248,41 +250,59 @@ class Bound(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ForwardPrice:
-    """The one price of a target forward in a round: seconds of a forward over n inputs per row, every row's.
+class RoundCost:
+    """The one price of a round: every decision that prices a round, a step or a forward reads this.
 
-    Every sizing decision reads this (``policy.py``), with the rules of ``Bound`` written here once. ``rows``: rows
-    in the batch (a forward over n inputs per row reads rows x n); ``allowance``: seconds the regret account may
-    still lose (``Regret.allowance``); ``t_draft``: seconds of one draft-model step over these rows (None:
-    unmeasured, or no draft model); ``hole``: seconds each hole a round leaves in the cache (a written input off
-    the kept path, in one row) costs when the cache compacts it, measured (0 until a compaction ran).
+    A round costs its draft work (k draft-model steps for a chain, a draft forward per depth over the nodes it
+    reads for a tree, nothing for ready-made candidates: prompt lookup, the lookahead pool), the target's verify
+    forward over n inputs per row (and the holes it leaves, compacted later), and once per call, before a draft
+    model's first step, its read of the prompts. The rules of ``Bound`` are written here once.
+
+    ``cost``: the target's t(n), by inputs over every row; ``rows``: rows in the batch (a forward over n inputs
+    per row reads rows x n); ``t_draft``: seconds of one draft-model step over these rows, one input each (None:
+    unmeasured, or no draft model); ``hole``: seconds each hole (a written input off the kept path, in one row)
+    costs when the cache compacts it, measured (0 until a compaction ran); ``draft``: seconds of one draft forward
+    over n inputs, every row's (a tree's depth reads several a row; ``Estimates.draft_seconds``; None: only
+    ``t_draft`` is known); ``width``: the inputs per row the target's forward runs for n (a compiled verify pads
+    n to its bucket; None: n itself); ``may_lose``: the planner's decision whether a round may lose so many
+    seconds against this price (``Regret.allows``: the regret allowance is the planner's, not the price's; None:
+    nothing, so the measured curve prices a size only where it costs no less than the seed); ``read``: seconds of the draft's prompt read a round pays before drafting (0 once read).
 
     >>> cost = ForwardCost.from_table({1: 0.10, 4: 0.20, 8: 0.30, 16: 0.34}, prior=True)  # a profile's seeds
     >>> cost.observe(1, 0.10); cost.observe(4, 0.11)  # measured here: t(4) is one step, not two
-    >>> price = ForwardPrice(cost)
+    >>> price = RoundCost(cost)
     >>> price(4), price(8), price(8, Bound.WORST)  # t(8) is the seed's (at the level measured): nothing paid for it
     (0.11, 0.2325, 0.2325)
-    >>> ForwardPrice(cost, allowance=0.5)(8)  # credit covers what trying it could lose: priced as measured
+    >>> RoundCost(cost, may_lose=lambda seconds: seconds <= 0.5)(8)  # the planner may lose the gap: as measured
     0.11
-    >>> ForwardPrice(cost, t_draft=0.02).round(3)  # 3 draft steps and a forward over 4 inputs
-    0.17
+    >>> chain = RoundCost(cost, t_draft=0.02)
+    >>> chain.round(3), chain.more(3)  # 3 draft steps and a forward over 4 inputs; a 4th step and t(5) - t(4)
+    (0.17, 0.050625)
+    >>> RoundCost(cost, t_draft=0.02, read=0.5).round(3, with_read=True)  # the call's first round reads the prompts
+    0.67
+    >>> RoundCost(cost, width=lambda n: 8 if n > 4 else 4)(5)  # a compiled verify runs 5 inputs in the 8 bucket
+    0.2325
     """
 
     cost: "ForwardCost"
     rows: int = 1
-    allowance: float = 0.0
     t_draft: float | None = None
     hole: float = 0.0
+    draft: Callable[[int], float | None] | None = None
+    width: Callable[[int], int] | None = None
+    may_lose: Callable[[float], bool] | None = None
+    read: float = 0.0
 
     def __call__(self, n: int, bound: Bound = Bound.EXPECTED, holes: int = 0) -> float | None:
-        """Seconds of a forward over n inputs per row that leaves ``holes`` inputs per row off the kept path (a
-        trie's other branches: compacted later, at ``hole`` seconds each); None before anything was measured.
+        """Seconds of the target's verify forward over n inputs per row (at the width it runs) that leaves
+        ``holes`` inputs per row off the kept path (a trie's other branches: compacted later, at ``hole`` seconds
+        each); None before anything was measured.
 
-        >>> price = ForwardPrice(ForwardCost.from_table({1: 0.10, 8: 0.12}), rows=2, hole=1e-4)
+        >>> price = RoundCost(ForwardCost.from_table({1: 0.10, 8: 0.12}), rows=2, hole=1e-4)
         >>> price(4), price(4, holes=5)  # 2 rows x 5 holes
         (0.12, 0.121)
         """
-        t = self._forward(n, bound)
+        t = self._forward(n if self.width is None else self.width(n), bound)
         return t if t is None or not holes else round(t + self.rows * holes * self.hole, 12)
 
     def _forward(self, n: int, bound: Bound) -> float | None:
@@ -294,23 +314,76 @@ class ForwardPrice:
         if t is None or not measured.largest or total <= measured.largest:
             return t
         optimistic = measured.estimate(total, extrapolate=batch)
-        return optimistic if t - optimistic <= self.allowance else t
+        gap = t - optimistic  # what pricing it as measured could lose
+        return optimistic if (gap <= 0.0 if self.may_lose is None else self.may_lose(gap)) else t
 
     def step(self) -> float | None:
         """A plain step of these rows: the reference every other size is compared to."""
         return self(1)
 
-    def round(self, k: int, extra: int = 0, bound: Bound = Bound.EXPECTED) -> float | None:
+    def round(self, k: int, extra: int = 0, bound: Bound = Bound.EXPECTED, with_read: bool = False) -> float | None:
         """T(k): k draft steps and a forward over the last token, the k drafted and ``extra`` more inputs (a
-        lookup tail); None while either is unmeasured."""
+        lookup tail; -1: a round at the end of a sequence verifies no bonus position), with the draft's prompt
+        read first when ``with_read``; None while either is unmeasured."""
         t = self(k + 1 + extra, bound)
         if t is None or (k > 0 and self.t_draft is None):
             return None
-        return round(k * (self.t_draft or 0.0) + t, 12)
+        return round(k * (self.t_draft or 0.0) + t + (self.read if with_read else 0.0), 12)
 
-    def table(self, longest: int, bound: Bound = Bound.EXPECTED) -> tuple[float | None, ...]:
-        """``self(n, bound)`` for n = 1..longest: a snapshot an in-round rule reads (index n - 1)."""
-        return tuple(self(n, bound) for n in range(1, longest + 1))
+    def more(self, k: int) -> float | None:
+        """What one more draft token adds to a chain of k: a draft step and the verify forward's growth (never
+        negative: t(1) may cost more than t(2)); None while either is unmeasured."""
+        now, after = self(k + 1), self(k + 2)
+        if now is None or after is None or self.t_draft is None:
+            return None
+        return self.t_draft + max(0.0, after - now)
+
+    def draft_forward(self, width: int) -> float | None:
+        """Seconds of one draft forward over ``width`` inputs per row: ``t_draft`` at one, else ``draft``."""
+        if width == 1:
+            return self.t_draft
+        return None if self.draft is None else self.draft(self.rows * width)
+
+    def tree(self, shape: TreeShape, bound: Bound = Bound.WORST) -> float | None:
+        """T of a round growing ``shape``: a draft forward per depth over the nodes it reads,
+        and the target's forward over the last token and every node, the nodes off the deepest path left as
+        holes; at ``Bound.WORST`` by default: a tree never gets the optimism a chain's next size gets, so where
+        t(n) is steep it is not tried "once" before it is known.
+
+        >>> price = RoundCost(ForwardCost.from_table({1: 0.1, 8: 0.1}), t_draft=0.01, draft=lambda n: 0.01 * n)
+        >>> price.tree(TreeShape(nodes=(2, 2, 1), expanded=(1, 2, 1), children=2))  # 0.01 + 0.02 + 0.01 + t(6)
+        0.14
+        """
+        verify = self(1 + shape.num_nodes, bound, holes=shape.num_nodes - shape.depth)
+        if verify is None:
+            return None
+        total = verify
+        for width in shape.expanded:
+            seconds = self.draft_forward(width)
+            if seconds is None:
+                return None
+            total += seconds
+        return round(total, 12)
+
+    def trie(self, nodes: int, deepest: int, bound: Bound = Bound.EXPECTED) -> float | None:
+        """T of a round verifying a trie of ready-made candidates (no draft forward): ``nodes`` per row, the
+        ones off its ``deepest`` candidate left as holes."""
+        return self(1 + nodes, bound, holes=max(0, nodes - deepest))
+
+    def saved(self, k: int, tokens: float, remaining: int) -> float | None:
+        """Seconds rounds of k draft tokens emitting ``tokens`` each save over ``remaining`` tokens against plain
+        steps, every row advancing together: remaining x (t(1) - T(k) / tokens), T(k) at its worst (what it is
+        weighed against, a prompt read, cannot be undone)."""
+        step, seconds = self.step(), self.round(k, bound=Bound.WORST)
+        return None if step is None or seconds is None else remaining * (step - seconds / tokens)
+
+    @staticmethod
+    def spent(outcomes: Sequence[RoundOutcome]) -> float:
+        """Seconds a finished round took (its outcome per row): the target's forward and
+        verification, the compaction after it, every row's draft work and set-up."""
+        first = outcomes[0]
+        return first.verify_time + first.compact_time + sum(o.proposal.draft_time + o.proposal.setup_time
+                                                            for o in outcomes)
 
 
 class ReadCost:
@@ -565,17 +638,17 @@ class BestRound:
         return self.tokens / self.seconds
 
 
-def best_round(price: "ForwardPrice", gains: Sequence[float], limit: int | None = None,
+def best_round(price: "RoundCost", gains: Sequence[float], limit: int | None = None,
                bound: Bound = Bound.EXPECTED) -> BestRound | None:
     """Does speculation pay, and how much: the one answer for the policy, ``check``, the profile's dtype choice
     and eval. ``gains[i]``: what draft token i + 1 adds to a round's expected tokens (``prefix_gains``); a round of
     k tokens takes ``price.round(k, bound=bound)``. None while a plain step is unpriced.
 
-    >>> price = ForwardPrice(ForwardCost.from_table({1: 1.0, 4: 1.1, 8: 1.3}), t_draft=0.1)  # in plain steps
+    >>> price = RoundCost(ForwardCost.from_table({1: 1.0, 4: 1.1, 8: 1.3}), t_draft=0.1)  # in plain steps
     >>> best = best_round(price, prefix_gains([0.8] * 8))
     >>> best.k, round(best.tokens, 2), best.seconds  # 5 draft steps and t(6): 2.17 tokens a step
     (5, 3.69, 1.7)
-    >>> best_round(ForwardPrice(price.cost, t_draft=0.9), prefix_gains([0.5] * 8)).k  # a dear draft: plain steps
+    >>> best_round(RoundCost(price.cost, t_draft=0.9), prefix_gains([0.5] * 8)).k  # a dear draft: plain steps
     0
     """
     def seconds(k: int) -> float | None:

@@ -11,7 +11,7 @@ trie, how wide the Jacobi window is. The planner answers one question per round 
 One planner (``Planner``), whatever the drafter: a round is a trie over typed sources (``round.SourceKind``). The
 draft model's source is a chain sized inside the round (its tokens are not known when the round is planned);
 every other source is offered ready-made and sized as a trie before the round. One price for a forward
-(``price()``: ``costmodel.ForwardPrice``), one acceptance estimator per (source, depth) (``acceptance()``), one
+(``price()``: ``costmodel.RoundCost``), one acceptance estimator per (source, depth) (``acceptance()``), one
 regret account and probe schedule (``Exploration``, over the account carried with the estimates), one
 ``observe``. What a call may use comes from its config (``PlannerSettings``: a draft model's chain and prompt
 lookup, or ready-made candidates and a Jacobi window).
@@ -103,8 +103,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 from .config import LookaheadConfig, PolicyKind, SpecConfig, TreeMode
-from .costmodel import (Bound, DecayedAcceptance, Estimates, ForwardPrice, Regret, best_count, best_round, beta_rate,
-                        prefix_gains)
+from .costmodel import (Bound, DecayedAcceptance, Estimates, Regret, RoundCost, best_count, best_round, beta_rate,
+                        expected_tokens, prefix_gains)
 from .layout import merge_candidates
 from .round import (PRIOR_WEIGHT, Candidate, Offer, PlainReason, PlainWhy, RoundOutcome, RoundPlan, RowView,
                     SourceKind, TreeShape, prior_acceptance)
@@ -160,16 +160,14 @@ class HeuristicPolicy(FixedPolicy):
 
 @dataclass(frozen=True)
 class AdaptiveChainRule:
-    """The in-round rules of one adaptive round, over a snapshot of the estimates (see the module docstring).
+    """The in-round rules of one adaptive round (see the module docstring).
 
-    t_step: the round's price (``ForwardPrice``, ``Bound.EXPECTED``) of a forward over n = 1.. inputs (index
-    n - 1); t_extrapolated: the same at ``Bound.WORST``; bin_kept / bin_judged / bin_weight: the draft's confidence
-    bins (``DecayedAcceptance``, one slot per bin), as values; lookup_rates: b_1..b_m.
+    price: the round's price (``costmodel.RoundCost``; the estimates it reads change only in ``observe``, after
+    the round); bin_kept / bin_judged / bin_weight: the draft's confidence bins (``DecayedAcceptance``, one slot
+    per bin), as values; lookup_rates: b_1..b_m.
     """
 
-    t_draft: float | None
-    t_step: tuple[float | None, ...]
-    t_extrapolated: tuple[float | None, ...]
+    price: RoundCost
     bin_kept: tuple[float, ...]
     bin_judged: tuple[float, ...]
     bin_weight: float
@@ -183,41 +181,36 @@ class AdaptiveChainRule:
         b = min(int(confidence * len(self.bin_kept)), len(self.bin_kept) - 1)
         return beta_rate(self.bin_kept[b], self.bin_judged[b], confidence, self.bin_weight)
 
-    def _t(self, n: int, extrapolate: bool = False) -> float | None:
-        table = self.t_extrapolated if extrapolate else self.t_step
-        return table[min(n, len(table)) - 1]
-
     def _worth(self, confidences: Sequence[float]) -> tuple[float, float]:
         """(P(all drafted tokens accepted), expected tokens of the chain so far)."""
         gains = prefix_gains([self.calibrated(c) for c in confidences])
         return (gains[-1] if gains else 1.0), 1.0 + sum(gains)
 
     def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        """Draft one more token after ``confidences`` (one per token drafted so far)? While what it adds, per the
+        seconds it adds (``RoundCost.more``), beats the rate of the round so far."""
         n = len(confidences)
-        if not self.confidence_stop or n >= self.max_tokens or self.t_draft is None or not confidences:
+        if not self.confidence_stop or n >= self.max_tokens or self.price.t_draft is None or not confidences:
             return True
-        t_now, t_next = self._t(n + 1), self._t(n + 2)
-        if t_now is None or t_next is None:
+        extra_time, seconds = self.price.more(n), self.price.round(n)
+        if extra_time is None or seconds is None:
             return True
         all_kept, emitted = self._worth(confidences)
         gain = all_kept * self.calibrated(confidences[-1])
-        extra_time = self.t_draft + max(0.0, t_next - t_now)
         if extra_time <= 0.0:  # one more token costs nothing measurable: it can only add
             return True
-        return gain / extra_time > emitted / (n * self.t_draft + t_now)
+        return gain / extra_time > emitted / seconds
 
     def lookup_tokens(self, confidences: Sequence[float]) -> int:
-        if self.t_draft is None or not self.lookup_rates:
-            return 0
-        n = len(confidences) + 1  # the forward reads the last token and the drafted ones
-        if self._t(n) is None:
+        """Prompt-lookup tokens to verify after the drafted ones: m maximising the round's E / T, the tail priced
+        at ``Bound.WORST``."""
+        price, k = self.price, len(confidences)
+        if price.t_draft is None or not self.lookup_rates or price(k + 1) is None:
             return 0
         all_kept, emitted = self._worth(confidences)
-        draft_time = len(confidences) * self.t_draft
 
         def seconds(m: int) -> float | None:
-            t = self._t(n) if m == 0 else self._t(n + m, extrapolate=True)
-            return None if t is None else draft_time + t
+            return price.round(k) if m == 0 else price.round(k, extra=m, bound=Bound.WORST)
 
         gains = [all_kept * g for g in prefix_gains(self.lookup_rates)]
         return best_count(gains, seconds, base=emitted)
@@ -385,10 +378,12 @@ class TrieChoice:
 
 class Planner:
     """The sizes of every round, for every drafter: one price, one acceptance estimator per (source, depth), one
-    regret account, learned from the same round outcomes (module docstring)."""
+    regret account, learned from the same round outcomes (module docstring). ``width``: the inputs per row the
+    target's forward runs for n (``RoundCost.width``: a compiled verify's buckets; None: n itself)."""
 
-    def __init__(self, settings: PlannerSettings, estimates: Estimates | None = None) -> None:
-        self.settings = settings
+    def __init__(self, settings: PlannerSettings, estimates: Estimates | None = None,
+                 width: Callable[[int], int] | None = None) -> None:
+        self.settings, self.width = settings, width
         self.estimates = estimates if estimates is not None else Estimates()
         self.estimates.regret.start(settings.max_regret)  # earlier calls' account at half
         self.exploration = Exploration(self.estimates.regret, settings.probe_interval)
@@ -399,12 +394,14 @@ class Planner:
         self.last_plain_round = 0  # the round that last measured t(1)
 
     @classmethod
-    def speculative(cls, config: SpecConfig, estimates: Estimates | None = None) -> "Planner":
-        return cls(PlannerSettings.speculative(config), estimates)
+    def speculative(cls, config: SpecConfig, estimates: Estimates | None = None,
+                    width: Callable[[int], int] | None = None) -> "Planner":
+        return cls(PlannerSettings.speculative(config), estimates, width)
 
     @classmethod
-    def lookahead(cls, config: LookaheadConfig, estimates: Estimates | None = None) -> "Planner":
-        return cls(PlannerSettings.lookahead(config), estimates)
+    def lookahead(cls, config: LookaheadConfig, estimates: Estimates | None = None,
+                  width: Callable[[int], int] | None = None) -> "Planner":
+        return cls(PlannerSettings.lookahead(config), estimates, width)
 
     @property
     def regret(self) -> Regret:
@@ -427,10 +424,13 @@ class Planner:
 
 
     # -- prices -------------------------------------------------------------------------------------------------
-    def price(self, rows: int = 1) -> ForwardPrice:
-        """The one price of this round's forward for ``rows`` rows (``costmodel.ForwardPrice``)."""
-        return ForwardPrice(self.estimates.forward, rows, self.regret.allowance(), self.estimates.draft_seconds(rows),
-                            self.estimates.ema_value(EmaName.HOLE_SECONDS) or 0.0)
+    def price(self, rows: int = 1) -> RoundCost:
+        """The one price of this round for ``rows`` rows (``costmodel.RoundCost``), with the regret account's
+        decision of what a round may lose against it."""
+        estimates = self.estimates
+        return RoundCost(estimates.forward, rows, estimates.draft_seconds(rows),
+                         estimates.ema_value(EmaName.HOLE_SECONDS) or 0.0, estimates.draft_seconds, self.width,
+                         self.regret.allows)
 
     def read_seconds(self, setup_tokens: int) -> float:
         """What the draft reading ``setup_tokens`` prompt tokens would cost: its learned share of the target's
@@ -441,22 +441,20 @@ class Planner:
         tokens, seconds = self.prefill
         return self.estimates.draft_read.estimate(seconds * max(1.0, setup_tokens / max(tokens, 1))) or 0.0
 
-    def _best_draft_rate(self, price: ForwardPrice) -> float:
+    def _best_draft_rate(self, price: RoundCost) -> float:
         """The best expected tokens per second of a round that drafts 1..max_draft_tokens tokens."""
         most = self.settings.max_draft_tokens
         gains = prefix_gains(self.acceptance(DRAFT).rates(most))
         rates = [(1 + sum(gains[:k])) / t for k in range(1, most + 1) if (t := price.round(k)) is not None]
         return max(rates, default=0.0)
 
-    def rule(self, price: ForwardPrice | None = None) -> AdaptiveChainRule:
-        """The in-round rule of a chain drafted this round, over a snapshot of the estimates."""
+    def rule(self, price: RoundCost | None = None) -> AdaptiveChainRule:
+        """The in-round rule of a chain drafted this round, over this round's price."""
         price = price if price is not None else self.price()
         most = self.settings.max_draft_tokens
-        longest = most + 2 + MAX_LOOKUP
         lookup = self.settings.lookup_tail and price.rows == 1
         return AdaptiveChainRule(
-            t_draft=price.t_draft, t_step=price.table(longest), t_extrapolated=price.table(longest, Bound.WORST),
-            bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
+            price=price, bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
             bin_weight=self.calibration.weight,
             lookup_rates=tuple(self.acceptance(LOOKUP).rates(MAX_LOOKUP)) if lookup else (),
             confidence_stop=self._confidence_stop(price.rows), max_tokens=most,
@@ -502,7 +500,7 @@ class Planner:
         return self.settings.confidence_stop and rows == 1
 
     # -- the draft model's chain ----------------------------------------------------------------------------------
-    def _decide_chain(self, price: ForwardPrice, views: Sequence[RowView], offers: Sequence[Offer]) -> Decision:
+    def _decide_chain(self, price: RoundCost, views: Sequence[RowView], offers: Sequence[Offer]) -> Decision:
         room = max((view.budget for view in views), default=0)
         budget = min(self.settings.max_draft_tokens,
                      max(min(view.budget, offer.model_tokens) for view, offer in zip(views, offers)))
@@ -511,7 +509,7 @@ class Planner:
             budget = min(budget, max(1, 2 * self.estimates.forward.largest // price.rows - 1))
         return self.decide(price, budget, room, sum(offer.setup_tokens for offer in offers))
 
-    def _chain_plans(self, price: ForwardPrice, decision: Decision, budgets: Sequence[int],
+    def _chain_plans(self, price: RoundCost, decision: Decision, budgets: Sequence[int],
                      offers: Sequence[Offer]) -> list[RoundPlan]:
         if price.t_draft is None:  # t_d unknown: draft the starting k once, measure it
             return [RoundPlan(model_tokens=min(decision.k, budget), max_tokens=budget, probe=decision.probe)
@@ -520,12 +518,7 @@ class Planner:
         return [RoundPlan(model_tokens=min(decision.k, budget, offer.model_tokens), max_tokens=budget, rule=rule,
                           probe=decision.probe) for budget, offer in zip(budgets, offers)]
 
-    def _saved(self, price: ForwardPrice, k: int, gains: Sequence[float], remaining: int) -> float:
-        """Seconds drafting k a round saves over the ``remaining`` tokens against plain steps, every row advancing
-        together: remaining x (t(1) - T(k) / E[tokens a round]), T(k) at its worst (the read cannot be undone)."""
-        return remaining * (price.step() - price.round(k, bound=Bound.WORST) / (1 + sum(gains[:k])))
-
-    def decide(self, price: ForwardPrice, budget: int, remaining: int, setup_tokens: int) -> Decision:
+    def decide(self, price: RoundCost, budget: int, remaining: int, setup_tokens: int) -> Decision:
         """The most draft-model tokens this round: 0 (a plain step, with why) while the draft's worth is unknown
         or does not pay, or while the draft has not read the prompts and the ``remaining`` tokens cannot repay
         ``setup_margin`` times reading them; with ``confidence_stop`` the cap (the in-round rule decides), else
@@ -548,8 +541,10 @@ class Planner:
         best = best_round(price, gains, budget)
         best_k = best.k if best is not None else 0
         read = self.read_seconds(setup_tokens)
+        if read:
+            price = dataclasses.replace(price, read=read)
         if best_k > 0:
-            saved = self._saved(price, best_k, gains, remaining) if read else 0.0
+            saved = price.saved(best_k, expected_tokens(gains[:best_k]), remaining) if read else 0.0
             if read and saved <= self.settings.setup_margin * read:
                 gain = f"~{saved:.2f} s saved" if saved > 0 else "nothing saved at the worst verify cost"
                 detail = f"{read:.2f} s to read, {gain} over the {remaining} tokens left"
@@ -557,15 +552,15 @@ class Planner:
             # with confidence_stop, speculation pays: the round may run to the cap, and the in-round rule, which
             # sees each token's confidence, decides where it stops
             return Decision(budget if self._confidence_stop(price.rows) else best_k)
-        step, one = price.step(), price.round(1)
-        if self.exploration.due() and one is not None and self.regret.allows(one - step + read):
+        step, one = price.step(), price.round(1, with_read=True)
+        if self.exploration.due() and one is not None and self.regret.allows(one - step):
             probe = 1 + best_count(gains[1:], lambda n: price.round(n + 1), budget - 1, base=1 + gains[0])
             return Decision(probe, probe=True)  # the best round that drafts at all
         rates = f"{self._best_draft_rate(price):.1f} tok/s expected, {1 / step if step else 0.0:.1f} plain"
         return Decision(0, plain_why=PlainWhy(PlainReason.DOES_NOT_PAY, rates))
 
     # -- the draft model's tree -----------------------------------------------------------------------------------
-    def tree(self, price: ForwardPrice, depth: int) -> TreeChoice | None:
+    def tree(self, price: RoundCost, depth: int) -> TreeChoice | None:
         """The draft-model tree this round grows, at most ``depth`` deep, or None for the chain (module docstring):
         of the first m nodes of the expected tree, the m with the best expected tokens per second; with
         ``tree="auto"`` only where that tree branches and beats the best chain as deep; with ``"on"``, the best
@@ -589,7 +584,7 @@ class Planner:
         rates = [self.acceptance((SourceKind.DRAFT, rank)).rates(depth) for rank in range(TREE_CHILDREN)]
         best = best_branching = None
         for shape, tokens in tree_prefixes(expected_tree(rates, limit), TREE_CHILDREN):
-            seconds = self._tree_seconds(price, shape)
+            seconds = price.tree(shape)
             if seconds is None:
                 break
             choice = TreeChoice(shape, tokens, seconds)
@@ -604,19 +599,8 @@ class Planner:
             return None
         return best
 
-    def _tree_seconds(self, price: ForwardPrice, shape: TreeShape) -> float | None:
-        """T of a round growing ``shape``: a draft forward per depth over the nodes it reads (every row's), and the
-        target's forward over the last token and every node, past the largest size measured priced as the
-        measured curve continues (``Bound.WORST``): a tree never gets the optimism a chain's next size gets, so
-        where t(n) is steep it is not tried "once" before it is known."""
-        verify = price(1 + shape.num_nodes, Bound.WORST, holes=shape.num_nodes - shape.depth)  # off the deepest path
-        drafts = [self.estimates.draft_seconds(price.rows * width) for width in shape.expanded]
-        if verify is None or any(t is None for t in drafts):
-            return None
-        return round(sum(drafts) + verify, 12)
-
     # -- ready-made candidates: a trie ----------------------------------------------------------------------------
-    def _affordable(self, price: ForwardPrice, limit: int) -> int:
+    def _affordable(self, price: RoundCost, limit: int) -> int:
         """The widest forward (inputs per row, at most ``limit``) whose worst case stays within the regret budget.
 
         At worst every guess is rejected and the round emits what a plain step does, so it loses t(n) - t(1),
@@ -626,7 +610,7 @@ class Planner:
         the first sizes are affordable after a few plain steps, and every round that pays widens what the next
         may try. 1: nothing is affordable, a plain step earns the budget back. A round that cannot lose (t(n) no
         more than t(1), at worst) is affordable even when the account is spent (say, by a draft model's misses)."""
-        allowance, step = max(0.0, price.allowance), price.step() or 0.0
+        allowance, step = max(0.0, self.regret.allowance()), price.step() or 0.0
 
         def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
             return (price(n, Bound.WORST) or 0.0) - step > allowance
@@ -635,7 +619,7 @@ class Planner:
             return limit
         return next(n for n in range(2, limit + 1) if loses(n)) - 1
 
-    def _limit(self, price: ForwardPrice) -> int:
+    def _limit(self, price: RoundCost) -> int:
         """The most inputs per row a round of candidates (and window) may read: sizes above twice the largest
         measured are not considered yet, so exploration grows one doubling a round (from 8 inputs at B = 1,
         where t(1..8) is flat on every device measured; from the plain step at B > 1, where a B x 8 forward is
@@ -646,7 +630,7 @@ class Planner:
             limit = self._affordable(price, limit)
         return limit
 
-    def _trie(self, price: ForwardPrice, budgets: Sequence[int], offers: Sequence[Offer]) -> TrieChoice:
+    def _trie(self, price: RoundCost, budgets: Sequence[int], offers: Sequence[Offer]) -> TrieChoice:
         """One width for the batch: the forward is padded to its widest row, so a node in one row costs every row
         its slot. The i-th slot adds the sum over rows of each row's i-th best prefix gain, the round emits
         B + that sum in t(1 + n) per row, and n maximises the ratio (for one row, the row's own argmax)."""
@@ -667,13 +651,13 @@ class Planner:
                        for row, prefixes in zip(candidates, ranked))
         return TrieChoice(chosen, nodes, len(offers) + sum(slots[:nodes]))
 
-    def _trie_rate(self, price: ForwardPrice, trie: TrieChoice) -> float:
+    def _trie_rate(self, price: RoundCost, trie: TrieChoice) -> float:
         """Expected tokens per second of the round that verifies ``trie`` alone (no draft forward)."""
         deepest = max((len(c.tokens) for row in trie.chosen for c in row), default=0)
-        t = price(1 + trie.nodes, holes=max(0, trie.nodes - deepest))  # at least the nodes off the deepest path
+        t = price.trie(trie.nodes, deepest)  # at least the nodes off the deepest path are holes
         return trie.emitted / price.rows / t if t else 0.0
 
-    def _window(self, price: ForwardPrice, nodes: int) -> tuple[int, int]:
+    def _window(self, price: RoundCost, nodes: int) -> tuple[int, int]:
         """(W, N) of the Jacobi window: explicit W/N as given; "auto", from whatever extra inputs keep the forward
         within ``window_tolerance`` of its cost, and only while its pool adds tokens."""
         settings = self.settings
@@ -695,7 +679,7 @@ class Planner:
             window = max(1, (extra + 1) // (ngram - 1)) if extra >= 5 else 1
         return window, ngram
 
-    def _trie_plans(self, price: ForwardPrice, trie: TrieChoice, budgets: Sequence[int], offers: Sequence[Offer],
+    def _trie_plans(self, price: RoundCost, trie: TrieChoice, budgets: Sequence[int], offers: Sequence[Offer],
                     why: PlainWhy) -> list[RoundPlan]:
         window, ngram = self._window(price, trie.nodes)
         plans = []
@@ -728,7 +712,8 @@ class Planner:
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
         if first.compacted:
             self.estimates.ema(EmaName.HOLE_SECONDS).update(first.compact_time / first.compacted)
-        _observe_regret(self.regret, self.estimates, outcomes)
+        observed = RoundCost(self.estimates.forward, len(outcomes), width=self.width, may_lose=_as_planned)
+        _observe_regret(self.regret, observed, outcomes)
         by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
         for outcome in outcomes:
             if outcome.plan.offered:  # tokens per round of the rounds that had something to guess from
@@ -785,16 +770,22 @@ class Planner:
         self.calibration.observe_slots(bins)
 
 
-def _observe_regret(regret: Regret, estimates: Estimates, outcomes: Sequence[RoundOutcome]) -> None:
-    """What this round took against what plain decoding would have taken for the tokens it emitted."""
-    step = estimates.forward.estimate(len(outcomes))  # a plain step of these rows
+def _as_planned(seconds: float) -> bool:
+    """The regret account's plain step is the forward's estimate as it stands (a size still priced by its seed
+    keeps its seed): no credit is taken against it."""
+    return False
+
+
+def _observe_regret(regret: Regret, price: RoundCost, outcomes: Sequence[RoundOutcome]) -> None:
+    """What this round took (``RoundCost.spent``) against what plain decoding would have taken for the tokens it
+    emitted (``price``: of this round's rows, its forward already learned)."""
+    step = price.step()  # a plain step of these rows
     if step is None:
         return
-    proposals = [outcome.proposal for outcome in outcomes]
-    seconds = outcomes[0].verify_time + outcomes[0].compact_time + sum(p.draft_time + p.setup_time for p in proposals)
     emitted = sum(len(outcome.emitted) for outcome in outcomes)
-    regret.observe(seconds, emitted, step / len(outcomes),
-                   guessed=any(p.num_tokens or p.draft_forwards or _has_window(p) for p in proposals))
+    regret.observe(price.spent(outcomes), emitted, step / len(outcomes),
+                   guessed=any(o.proposal.num_tokens or o.proposal.draft_forwards or _has_window(o.proposal)
+                               for o in outcomes))
 
 
 def _has_window(proposal) -> bool:
@@ -835,15 +826,17 @@ class CappedPolicy:
         self.policy.observe_prefill(tokens, seconds)
 
 
-def make_policy(config: SpecConfig | LookaheadConfig, estimates: Estimates | None = None) -> Policy:
-    """The policy a call's config asks for: the planner, or a draft model's fixed or heuristic k."""
+def make_policy(config: SpecConfig | LookaheadConfig, estimates: Estimates | None = None,
+                width: Callable[[int], int] | None = None) -> Policy:
+    """The policy a call's config asks for: the planner (``width``: ``Planner``'s), or a draft model's fixed or
+    heuristic k."""
     if isinstance(config, LookaheadConfig):
-        return Planner.lookahead(config, estimates)
+        return Planner.lookahead(config, estimates, width)
     if config.policy == PolicyKind.FIXED:
         return FixedPolicy(config.num_draft_tokens)
     if config.policy == PolicyKind.HEURISTIC:
         return HeuristicPolicy(config.num_draft_tokens, config.max_draft_tokens)
-    return Planner.speculative(config, estimates)
+    return Planner.speculative(config, estimates, width)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 import hf_specdec
 from hf_specdec import cache as kv
 from hf_specdec.config import LookaheadConfig
-from hf_specdec.costmodel import ForwardCost, ForwardPrice
+from hf_specdec.costmodel import ForwardCost
 from hf_specdec.layout import BatchInputs
 from hf_specdec.policy import EmaName, Planner
 from hf_specdec.round import Proposal, RoundOutcome

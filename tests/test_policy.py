@@ -200,7 +200,7 @@ def test_keep_drafting_when_a_draft_step_is_free_and_verifying_one_more_is_free(
     policy = Planner.speculative(SpecConfig())
     feed(policy, 5, 4, 4, t_draft=0.0, t_verify=flat, plain_step=0.1)
     rule = plan(policy, 16).rule
-    assert rule.t_draft == 0.0
+    assert rule.price.t_draft == 0.0
     assert rule.keep_drafting([0.99])
 
 

@@ -60,7 +60,7 @@ from typing import Literal, Sequence
 import torch
 
 from .. import cache as kv
-from ..costmodel import ForwardCost, ForwardPrice, best_round, prefix_gains
+from ..costmodel import ForwardCost, RoundCost, best_round, prefix_gains
 from ..round import Offer, RoundOutcome, RowView, SourceKind, prior_acceptance
 from ..errors import Unsupported
 from .base import DraftCall
@@ -341,7 +341,7 @@ def choose_layers(model, memory=None) -> ExitChoice:
     found = {n: memory.estimates(EarlyExit(n)) for n in candidates} if memory is not None else {}
     timed = [e.forward for e in found.values() if e.forward.measured_only().largest]
     forward = max(timed, key=lambda cost: len(cost.measured_only().table())) if timed else None  # the target's
-    step = forward.estimate(1) if forward is not None else None
+    step = RoundCost(forward).step() if forward is not None else None
     if forward is None or not step:  # nothing timed: in plain steps, t(n) flat
         forward, step = ForwardCost.from_table({n: 1.0 for n in range(1, PRICED_DRAFT_TOKENS + 2)}), 1.0
     key, prior = (SourceKind.DRAFT, 0), prior_acceptance((SourceKind.DRAFT, 0))
@@ -353,7 +353,7 @@ def choose_layers(model, memory=None) -> ExitChoice:
             measured.add(n)
         per_position = acceptance.rates(PRICED_DRAFT_TOKENS) if acceptance is not None else [prior] * PRICED_DRAFT_TOKENS
         draft = estimates.draft_seconds(1) if estimates is not None else None
-        price = ForwardPrice(forward, t_draft=draft if draft is not None else layer_share(model, n) * step)
+        price = RoundCost(forward, t_draft=draft if draft is not None else layer_share(model, n) * step)
         best = best_round(price, prefix_gains(per_position))
         rates[n] = best.rate if best is not None else 0.0
     chosen = max(candidates, key=lambda n: (rates[n], -n))

@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..costmodel import Bound, ForwardPrice, best_round, prefix_gains
+from ..costmodel import Bound, RoundCost, best_round, prefix_gains
 from .formats import FORMATS, as_format
 from .profile import FormatCost, HardwareProfile
 
@@ -111,7 +111,7 @@ def estimate_call(profile: HardwareProfile, dtype: str, workload: Workload = Wor
     plain steps, or rounds of k draft steps and one verify forward over k + 1 tokens, k <= max_draft_tokens,
     each draft token accepted with ``workload.acceptance`` (``costmodel.best_round``: the policy's own answer).
     ``draft_step``: seconds of one draft step; None: no draft, plain steps."""
-    price = ForwardPrice(profile.target_cost(dtype), t_draft=draft_step)
+    price = RoundCost(profile.target_cost(dtype), t_draft=draft_step)
     limit = workload.max_draft_tokens if draft_step is not None else 0
     best = best_round(price, prefix_gains([workload.acceptance] * workload.max_draft_tokens), limit, Bound.WORST)
     k, rate = best.k, best.rate

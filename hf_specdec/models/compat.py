@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..costmodel import (Bound, ForwardCost, ForwardPrice, agreement_runs, best_round, expected_tokens, prefix_gains,
+from ..costmodel import (Bound, ForwardCost, RoundCost, agreement_runs, best_round, expected_tokens, prefix_gains,
                          run_length_tokens, runs_that_fit)
 from ..round import SourceKind, prior_acceptance
 from .bundles import BUNDLES
@@ -219,10 +219,10 @@ def measure_acceptance(target, draft, tokenizer, prompts: Sequence[str], *, shar
     }
 
 
-def _price(cost: dict) -> ForwardPrice:
+def _price(cost: dict) -> RoundCost:
     """The measured costs in target steps as the cost model's price: v(n) by inputs, the draft step c."""
-    return ForwardPrice(ForwardCost.from_table({int(k) + 1: v for k, v in cost["verify_cost"].items()}),
-                        t_draft=cost["c"])
+    return RoundCost(ForwardCost.from_table({int(k) + 1: v for k, v in cost["verify_cost"].items()}),
+                     t_draft=cost["c"])
 
 
 def _measured_gains(acceptance: dict, max_k: int) -> list[float]:
@@ -236,7 +236,7 @@ def _measured_gains(acceptance: dict, max_k: int) -> list[float]:
 
 def predict(cost: dict, acceptance: dict, max_k: int = 8) -> list[dict]:
     """Predicted speedup per k: expected tokens over a round's cost in target steps, k c + v(k + 1) (the cost
-    model's ``ForwardPrice.round``), with i.i.d. acceptance ``alpha`` and with the measured run lengths."""
+    model's ``RoundCost.round``), with i.i.d. acceptance ``alpha`` and with the measured run lengths."""
     price = _price(cost)
     iid, measured = prefix_gains([acceptance["alpha"]] * max_k), _measured_gains(acceptance, max_k)
     rows = []
@@ -272,7 +272,7 @@ def recommend(cost: dict, prediction: list[dict]) -> dict:
                        f"{row['round_cost']:.2f} target steps); the adaptive policy starts there and follows "
                        "the acceptance it sees"}
     lookup = prefix_gains([prior_acceptance((SourceKind.HISTORY, 2))] * max_k)
-    guesses = best_round(ForwardPrice(price.cost, t_draft=0.0), lookup, bound=Bound.WORST)
+    guesses = best_round(RoundCost(price.cost, t_draft=0.0), lookup, bound=Bound.WORST)
     if guesses is not None and guesses.k > 0:
         return {"mode": "lookahead", "policy": "adaptive", "k": guesses.k, "predicted_speedup": guesses.rate,
                 "why": f"this draft does not pay off (best {best['speedup_measured']:.2f}x), but verifying "

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..costmodel import ForwardCost
+from ..costmodel import Bound, ForwardCost, RoundCost
 from .bundles import resolve_cache_dir
 from .formats import ROLES, TARGET_FORMATS, as_format, role_sizes
 from .hardware import cpu_flags, cpu_model, resolve_device
@@ -360,19 +360,23 @@ class HardwareProfile:
         return self.draft_entry(fmt).read_table
 
     def verify_cost(self, dtype: str | torch.dtype, n: int) -> float:
-        """v(n) = t(n) / t(1) in ``dtype`` (extrapolated past the largest measured n)."""
-        cost = self.target_cost(dtype)
-        return cost.estimate(n, extrapolate=True) / cost.estimate(1)
+        """v(n) = t(n) / t(1) in ``dtype``: the price of a forward over n inputs (``costmodel.RoundCost``, at
+        ``Bound.WORST``: extrapolated past the largest measured n) in plain steps."""
+        price = RoundCost(self.target_cost(dtype))
+        return price(n, Bound.WORST) / price.step()
 
     def prefill_seconds(self, dtype: str | torch.dtype, prompt_tokens: int) -> float:
         """Expected seconds of the prefill of a ``prompt_tokens`` prompt: the measured seconds per prompt token
         times the length, but never below the forward over as many new tokens in the t(n) table (a short prompt
-        still reads every weight once); without a prefill measurement, t(n) extrapolated."""
-        entry, cost = self.target_entry(dtype), self.target_cost(dtype)
-        floor = cost.estimate(min(prompt_tokens, cost.largest)) if prompt_tokens > 0 else 0.0
+        still reads every weight once); without a prefill measurement, that forward's price at ``Bound.WORST``
+        (``costmodel.RoundCost``: t(n) extrapolated)."""
+        entry, price = self.target_entry(dtype), RoundCost(self.target_cost(dtype))
+        if prompt_tokens <= 0:
+            return 0.0
         if entry.prefill_s is None:
-            return cost.estimate(prompt_tokens, extrapolate=True) if prompt_tokens > 0 else 0.0
-        return max(floor, entry.prefill_s / entry.prefill_tokens * prompt_tokens)
+            return price(prompt_tokens, Bound.WORST)
+        per_token = entry.prefill_s / entry.prefill_tokens
+        return max(price(min(prompt_tokens, price.cost.largest)), per_token * prompt_tokens)
 
     # -- JSON -----------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
