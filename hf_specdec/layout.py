@@ -190,6 +190,16 @@ def is_plain_chain(proposal: Proposal) -> bool:
     return no_extra and all(parent == node - 1 for node, parent in enumerate(proposal.parents))
 
 
+@lru_cache(maxsize=64)
+def positions(n: int) -> torch.LongTensor:
+    """``torch.arange(n)``, made once per n: the offsets and logits rows of a chain of n inputs. Shared: callers
+    must not modify it."""
+    return torch.arange(n)
+
+
+NOTHING_READ = torch.zeros(0, dtype=torch.long)  # no inputs read: shared, never modified
+
+
 def round_layout(proposal: Proposal, last_token: int) -> RoundLayout:
     """The inputs, position offsets and visibility of one row's round. Node i sees the last token, its ancestors
     and itself; extras see the last token and what their own mask says; the two never see each other.
@@ -202,14 +212,20 @@ def round_layout(proposal: Proposal, last_token: int) -> RoundLayout:
     >>> step.inner.int().tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
     """
+    extra = proposal.extra
+    read = extra.read if extra is not None else NOTHING_READ
+    if proposal.device_tokens is not None:  # a chain still on the device: its inputs are put together there
+        assert extra is None, "a chain on the device has no extra inputs"
+        nodes = proposal.device_tokens
+        n = 1 + nodes.shape[0]
+        return RoundLayout(torch.cat([nodes.new_full((1,), last_token), nodes]), positions(n), None, positions(n),
+                           read, 0)
+    if is_plain_chain(proposal):
+        n = 1 + len(proposal.tokens)
+        return RoundLayout(torch.tensor((last_token, *proposal.tokens), dtype=torch.long), positions(n), None,
+                           positions(n), read, 0)
     nodes = torch.tensor(proposal.tokens, dtype=torch.long)
     num_nodes = nodes.shape[0]
-    extra = proposal.extra
-    read = extra.read if extra is not None else torch.zeros(0, dtype=torch.long)
-    if is_plain_chain(proposal):
-        n = 1 + num_nodes
-        return RoundLayout(torch.cat([torch.tensor([last_token]), nodes]), torch.arange(n), None, torch.arange(n),
-                           read, 0)
     extra_ids = extra.token_ids if extra is not None else torch.zeros(0, dtype=torch.long)
     num_extra = int(extra_ids.shape[0])
     total = 1 + num_extra + num_nodes
@@ -259,16 +275,21 @@ def stack_layouts(layouts: Sequence[RoundLayout], pad_token: int = 0) -> BatchIn
     >>> batch.input_ids.tolist(), batch.valid.tolist(), batch.inner is None
     ([[4, 5, 6], [9, 0, 0]], [[True, True, True], [True, False, False]], True)
     """
+    if len(layouts) == 1:  # one row: its layout as it is, no padding
+        layout = layouts[0]
+        return BatchInputs(layout.input_ids[None], layout.offsets[None], None,
+                           None if layout.inner is None else layout.inner[None])
     n = max(layout.num_tokens for layout in layouts)
     rows = len(layouts)
-    input_ids = torch.full((rows, n), pad_token, dtype=torch.long)
+    # the tokens where they are (a drafter's may still be on the device), padded there; the rest on the host
+    input_ids = torch.stack([torch.nn.functional.pad(layout.input_ids, (0, n - layout.num_tokens), value=pad_token)
+                             for layout in layouts])
     offsets = torch.arange(n).repeat(rows, 1)
     valid = torch.zeros(rows, n, dtype=torch.bool)
     trees = any(layout.inner is not None for layout in layouts)
     inner = torch.eye(n, dtype=torch.bool).repeat(rows, 1, 1) if trees else None
     for row, layout in enumerate(layouts):
         m = layout.num_tokens
-        input_ids[row, :m] = layout.input_ids
         offsets[row, :m] = layout.offsets
         valid[row, :m] = True
         if inner is not None:

@@ -45,7 +45,7 @@ from . import cache as kv
 from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
 from .inputs import NO_INPUTS, ModelInputs
-from .layout import round_layout, stack_layouts
+from .layout import positions, round_layout, stack_layouts
 from .policy import CappedPolicy, Policy
 from .processors import process_rows
 from .round import Proposal, RoundOutcome, RowView
@@ -139,14 +139,29 @@ class _Row:
     unpadded: torch.LongTensor  # [L0] without padding
     new: list[int] = field(default_factory=list)
     done: bool = False
+    # the padded and unpadded tokens so far, each at the start of a buffer that grows as tokens are appended
+    # (``extend``): ``padded`` and ``view`` hand out views of them, whose tokens never change afterwards
+    _padded: torch.LongTensor | None = None
+    _unpadded: torch.LongTensor | None = None
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append emitted tokens."""
+        self.new.extend(tokens)
+        if self._padded is not None:
+            self._padded, self._unpadded = None, None
+
+    def _buffers(self) -> tuple[torch.LongTensor, torch.LongTensor]:
+        if self._padded is None:
+            new = torch.tensor(self.new, dtype=torch.long)
+            self._padded, self._unpadded = torch.cat([self.prompt, new]), torch.cat([self.unpadded, new])
+        return self._padded, self._unpadded
 
     def padded(self) -> torch.LongTensor:
         """[1, P + n]: what plain generate's processors and stopping criteria see."""
-        return torch.cat([self.prompt, torch.tensor(self.new, dtype=torch.long)])[None]
+        return self._buffers()[0][None]
 
     def view(self, max_length: int) -> RowView:
-        ids = torch.cat([self.unpadded, torch.tensor(self.new, dtype=torch.long)])
-        return RowView(self.row, ids, max_length - (self.prompt.shape[0] + len(self.new)) - 1)
+        return RowView(self.row, self._buffers()[1], max_length - (self.prompt.shape[0] + len(self.new)) - 1)
 
 
 def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecStats, streamer=None) -> Decoded:
@@ -255,11 +270,14 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     start = time.perf_counter()
     layouts = [round_layout(proposal, int(view.ids[-1])) for view, proposal in zip(views, proposals)]
     batch = stack_layouts(layouts, inputs.pad_token_id)
-    # logits only where some row reads them (a window's inner inputs are never read): their union over the rows
-    needed = torch.unique(torch.cat([layout.logits_index for layout in layouts]))  # sorted
-    where = torch.full((batch.input_ids.shape[1],), -1, dtype=torch.long)
-    where[needed] = torch.arange(needed.shape[0])
-    full = needed.shape[0] == batch.input_ids.shape[1]
+    n = batch.input_ids.shape[1]
+    if all(layout.inner is None and not layout.read_rows.shape[0] for layout in layouts):  # chains: every input
+        needed, where = positions(n), positions(n)
+    else:  # logits only where some row reads them (a window's inner inputs are never read): their union
+        needed = torch.unique(torch.cat([layout.logits_index for layout in layouts]))  # sorted
+        where = torch.full((n,), -1, dtype=torch.long)
+        where[needed] = torch.arange(needed.shape[0])
+    full = needed.shape[0] == n
     written = cache.forward(batch, logits_at=needed.shape[0] if full else needed, record=inputs.record)
     logits = written.logits[..., : inputs.vocab_size]  # [B, |needed|, V]
     # the target's own choice and top choices at every computed row, for the whole batch at once: one call each
@@ -267,14 +285,17 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     # read (greedy on raw logits decides by it, a window's next guesses are it)
     raw = not inputs.do_sample and not inputs.logits_processor
     wanted = raw or any(proposal.extra is not None for proposal in proposals)
-    choices = greedy_choice(logits).cpu() if wanted else None  # [B, |needed|]
     top_k = max(proposal.top_k for proposal in proposals)
-    tops = logits.topk(top_k, dim=-1).indices.cpu() if top_k else None  # [B, |needed|, K]
+    # the round's one device-to-host transfer: the target's choices (and top choices), with the draft tokens still
+    # on the device (``Proposal.device_tokens``)
+    choices, tops, proposals = _read_back(greedy_choice(logits) if wanted else None,
+                                          logits.topk(top_k, dim=-1).indices if top_k else None, proposals)
     indices = [where[layout.logits_index] for layout in layouts]  # per row: [R] into logits
     processed = None if raw else _process(inputs, [
         (row.row, row.padded(), proposal, logits[i, index[:1 + proposal.num_tokens].to(logits.device)])
         for i, (row, proposal, index) in enumerate(zip(rows, proposals, indices))])  # per row: [1 + T, V]
     verdicts, scores, kept = [], [], []
+    slots = written.slots.tolist()  # [B, n] (host)
     for i, (row, layout, proposal, index) in enumerate(zip(rows, layouts, proposals, indices)):
         num_rows = 1 + proposal.num_tokens
         if raw:
@@ -287,7 +308,7 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
             row_scores = processed[i]  # [1 + T, V]
             verdict = verify(proposal.tokens, proposal.parents, proposal.draft_probs, row_scores, inputs.do_sample)
         verdicts.append(verdict)
-        kept.append(written.slots[i, layout.kept_inputs(verdict.accepted)].tolist())
+        kept.append([slots[i][j] for j in layout.kept_inputs(verdict.accepted)])
         recorded = _recorded(written, cache, i, layout.kept_inputs(verdict.accepted), kept[-1],
                              row.prompt.shape[0] - row.unpadded.shape[0]) if inputs.record else None
         scores.append(_returned(inputs, row_scores, row_raw, [0] + [1 + node for node in verdict.accepted], recorded))
@@ -313,6 +334,37 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
             extra_next=extra_next, top_inputs=top_inputs, top_next=top_next, row=view.row, rows=len(views),
             compacted=compacted, compact_time=compact_time))
     return outcomes, scores
+
+
+def _read_back(choices: torch.Tensor | None, tops: torch.Tensor | None, proposals: list[Proposal]
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Proposal]]:
+    """The round's one device-to-host transfer: the target's choices [B, m] and top choices [B, m, K] (each or
+    None) and the tokens of the proposals still on the device (``Proposal.device_tokens``), read together.
+    Returns (choices, tops) on the host and the proposals with their tokens read (``Proposal.resolved``)."""
+    parts = [part.reshape(-1) for part in (choices, tops) if part is not None]
+    parts += [proposal.device_tokens for proposal in proposals if proposal.device_tokens is not None]
+    if not parts:
+        return choices, tops, proposals
+    values = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
+    start = 0
+    read = []
+    for part in (choices, tops):
+        if part is None:
+            read.append(None)
+            continue
+        read.append(values[start: start + part.numel()].view(part.shape))
+        start += part.numel()
+    if any(proposal.device_tokens is not None for proposal in proposals):
+        rest = values[start:].tolist()
+        resolved = []
+        for proposal in proposals:
+            if proposal.device_tokens is not None:
+                resolved.append(proposal.resolved(rest[: proposal.num_tokens]))
+                rest = rest[proposal.num_tokens:]
+            else:
+                resolved.append(proposal)
+        proposals = resolved
+    return read[0], read[1], proposals
 
 
 def _process(inputs: DecodeInputs, requests: list[tuple[int, torch.LongTensor, Proposal, torch.Tensor]]
@@ -427,19 +479,20 @@ def _emit(inputs, emitter, steps: list[list[Step]], row: _Row, outcome: RoundOut
     """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
     if tokens is None:
         tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
-    ids = row.padded()
-    new_tokens, stop = cut_at_stop(ids, torch.tensor(tokens, dtype=torch.long), inputs.stopping_criteria)
-    if outcome is None:
-        emitter.round(new_tokens, 0)
-    else:
-        emitter.round(new_tokens, outcome.num_accepted, outcome.proposal)
+    tokens, stop = cut_at_stop(row.padded, tokens, inputs.stopping_criteria)
+    if emitter.streamer is not None:
+        new_tokens = torch.tensor(tokens, dtype=torch.long)
+        if outcome is None:
+            emitter.round(new_tokens, 0)
+        else:
+            emitter.round(new_tokens, outcome.num_accepted, outcome.proposal)
     if returned is not None:  # the Step of each token offered; those emitted are returned
-        steps[row.row].extend(returned[: new_tokens.shape[0]])
-    row.new.extend(new_tokens.tolist())
+        steps[row.row].extend(returned[: len(tokens)])
+    row.extend(tokens)
     row.done = stop or row.prompt.shape[0] + len(row.new) >= inputs.max_length
     if outcome is None:
         return None
-    return dataclasses.replace(outcome, emitted=tuple(new_tokens.tolist()), finished=row.done,
+    return dataclasses.replace(outcome, emitted=tuple(tokens), finished=row.done,
                                plan=outcome.plan if plan is None else plan)
 
 

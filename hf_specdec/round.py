@@ -23,6 +23,7 @@ cannot exist.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -288,7 +289,10 @@ class Proposal:
     draft_steps: (inputs per row, seconds) of each draft-model forward, where they are not one input each (a tree's
     forwards read its frontier); empty: each of the ``draft_forwards`` read one input per row;
     setup_time / setup_tokens: one-off seconds before it and the tokens read in them (the draft model reading the
-    prompts the first time it is used; the tokens of the left-padded batch, padding included).
+    prompts the first time it is used; the tokens of the left-padded batch, padding included);
+    device_tokens: [n] a chain's tokens while they are still where the draft model computed them (a greedy draft
+    whose plan reads no confidences): ``tokens`` is then empty, and the loop reads them with the target's choices,
+    in the round's one device-to-host transfer (``resolved``); None: ``tokens`` holds them.
     """
 
     tokens: tuple[int, ...] = ()
@@ -303,10 +307,13 @@ class Proposal:
     draft_steps: tuple[tuple[int, float], ...] = ()
     setup_time: float = 0.0
     setup_tokens: int = 0
+    device_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.tokens)
-        assert len(self.parents) == n and len(self.sources) == n, "tokens, parents and sources must align"
+        n = len(self.parents)
+        assert len(self.sources) == n, "tokens, parents and sources must align"
+        assert len(self.tokens) == n if self.device_tokens is None else (
+            not self.tokens and self.device_tokens.shape == (n,)), "tokens, parents and sources must align"
         assert all(-1 <= p < i for i, p in enumerate(self.parents)), "a parent must precede its child"
         assert self.draft_probs is None or self.draft_probs.shape[0] == n, "draft_probs must be [n, V]"
 
@@ -317,9 +324,20 @@ class Proposal:
         return cls(tokens=tokens, parents=tuple(range(-1, len(tokens) - 1)),
                    sources=tuple((s,) for s in sources), draft_probs=draft_probs, **fields)
 
+    @classmethod
+    def device_chain(cls, token_ids: torch.Tensor, sources, **fields) -> "Proposal":
+        """A single path whose tokens [n] are still on the device (``device_tokens``)."""
+        n = int(token_ids.shape[0])
+        return cls(parents=tuple(range(-1, n - 1)), sources=tuple((s,) for s in sources), device_tokens=token_ids,
+                   **fields)
+
+    def resolved(self, tokens: Sequence[int]) -> "Proposal":
+        """The same proposal with its ``device_tokens`` read: ``tokens`` (the loop's one transfer of the round)."""
+        return dataclasses.replace(self, tokens=tuple(tokens), device_tokens=None)
+
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.parents)
 
     @property
     def depths(self) -> tuple[int, ...]:
@@ -342,7 +360,7 @@ class Proposal:
     @property
     def paths(self) -> int:
         """Leaves of the trie: 0 for no guesses, 1 for a chain, more for a tree (e.g. parents (-1, 0, 0): 2)."""
-        return len(self.tokens) - len(set(self.parents) - {-1})
+        return len(self.parents) - len(set(self.parents) - {-1})
 
     def path(self, node: int) -> list[int]:
         """Node ids from the root's child down to ``node``."""

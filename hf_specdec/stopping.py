@@ -8,7 +8,7 @@ returned, and what is streamed, ends exactly where plain ``generate`` would have
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers import StoppingCriteriaList
@@ -18,16 +18,17 @@ if TYPE_CHECKING:
 
 
 def cut_at_stop(
-    committed_ids: torch.LongTensor,  # [1, L]
-    new_tokens: torch.LongTensor,  # [n] tokens this round wants to emit
+    committed_ids: Callable[[], torch.LongTensor],  # () -> [1, L], called only where there are criteria
+    new_tokens: list[int],  # tokens this round wants to emit
     stopping_criteria: StoppingCriteriaList,
-) -> tuple[torch.LongTensor, bool]:
+) -> tuple[list[int], bool]:
     """Return (the tokens to emit, whether generation stops after them)."""
     if not stopping_criteria:
         return new_tokens, False
-    full = torch.cat([committed_ids, new_tokens[None].to(committed_ids.device)], dim=1)  # [1, L + n]
-    length = committed_ids.shape[1]
-    for j in range(1, new_tokens.shape[0] + 1):
+    committed = committed_ids()
+    full = torch.cat([committed, torch.tensor([new_tokens], dtype=torch.long, device=committed.device)], dim=1)
+    length = committed.shape[1]
+    for j in range(1, len(new_tokens) + 1):
         if bool(stopping_criteria(full[:, : length + j], None).any()):
             return new_tokens[:j], True
     return new_tokens, False

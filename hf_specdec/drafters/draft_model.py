@@ -180,6 +180,17 @@ class DraftModelDrafter(Drafter):
         # the draft lacks get -inf (never proposed, probability 0, which rejection sampling handles exactly)
         return self._over_vocab(written.logits[torch.arange(len(feeds)), last.to(written.logits.device)])
 
+    def _logits_after(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``_logits`` of one token per row, ``tokens`` [B] where the last step computed them (the device): each row
+        writes its token after its last written slot. Float logits [B, V]."""
+        rows = tokens.shape[0]
+        batch = BatchInputs(self._readable(tokens[:, None]), torch.zeros(rows, 1, dtype=torch.long), None, None)
+        after = torch.tensor([row[-1] for row in self._written])
+        written = self.cache.forward(batch, after=after, logits_at=1)  # logits [B, 1, V]
+        for row, slot in zip(self._written, written.slots[:, 0].tolist()):
+            row.append(slot)
+        return self._over_vocab(written.logits[:, 0])
+
     def _over_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V] over the target's vocabulary: the draft's padding rows past it are never
         proposed, and the target's rows the draft lacks get -inf (never proposed, probability 0, which rejection
@@ -255,29 +266,37 @@ class DraftModelDrafter(Drafter):
         feeds = [row_ids[int(length):] for row_ids, length in zip(ids, self.cache.lengths)]  # >= 1 token each
         if any(plan.tree is not None for plan in plans):
             return self._propose_trees(plans, ids, feeds, start, setup_time=setup, setup_tokens=read_tokens)
+        if not self.do_sample and not self.logits_processor and all(plan.rule is None for plan in plans):
+            return self._propose_on_device(views, limits, feeds, start, setup, read_tokens)
         tokens: list[list[int]] = [[] for _ in views]
         probs: list[list[torch.Tensor]] = [[] for _ in views]
         confidences: list[list[float]] = [[] for _ in views]
         drafting = [limit > 0 for limit in limits]
+        logits = self._logits(feeds)  # [B, V]
         for _ in range(steps):
-            logits = self._logits(feeds)  # [B, V]
-            next_feeds = []
+            if self.do_sample or self.logits_processor:
+                scores = torch.cat([self._scores(views[r].row, ids[r], logits[r]) for r in range(len(views))])
+            else:
+                scores = logits
+            draft_probs = torch.softmax(scores, dim=-1)  # [B, V]
+            chosen = (torch.cat([torch.multinomial(row_probs, 1) for row_probs in draft_probs]) if self.do_sample
+                      else greedy_choice(scores))  # [B]
+            # the step's one read: every row's token and its confidence (what the plan's rule reads)
+            read = torch.stack([chosen.to(draft_probs.dtype), draft_probs.gather(1, chosen[:, None])[:, 0]])
+            step_tokens, step_confidences = read.tolist()
             for r, plan in enumerate(plans):
-                scores = self._scores(views[r].row, ids[r], logits[r])  # [1, V]
-                draft_probs = torch.softmax(scores, dim=-1)  # [1, V]
-                token = torch.multinomial(draft_probs, 1)[0] if self.do_sample else greedy_choice(scores)  # [1]
                 if drafting[r]:
-                    tokens[r].append(int(token))
-                    confidences[r].append(float(draft_probs[0, token]))
+                    tokens[r].append(int(step_tokens[r]))
+                    confidences[r].append(step_confidences[r])
                     if self.do_sample:
-                        probs[r].append(draft_probs[0])
+                        probs[r].append(draft_probs[r])
                     drafting[r] = len(tokens[r]) < limits[r] and (
                         plan.rule is None or plan.rule.keep_drafting(confidences[r]))
-                ids[r] = torch.cat([ids[r], token])
-                next_feeds.append(token)
             if not any(drafting):
                 break
-            feeds = next_feeds
+            logits = self._logits_after(chosen)  # [B, V]
+            if self.logits_processor:
+                ids = [torch.cat([row_ids, token[None]]) for row_ids, token in zip(ids, chosen)]
         seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
         forwards = max(len(row) for row in tokens)
         return [Proposal.chain(
@@ -286,6 +305,26 @@ class DraftModelDrafter(Drafter):
             confidences=tuple(row_confidences), draft_time=seconds, draft_forwards=forwards if row else 0,
             setup_time=setup, setup_tokens=read_tokens)
             for row, row_probs, row_confidences in zip(tokens, probs, confidences)]
+
+    def _propose_on_device(self, views: Sequence[RowView], limits: list[int], feeds: list[torch.Tensor], start: float,
+                           setup: float, read_tokens: int) -> list[Proposal]:
+        """A greedy chain whose plan reads no confidences: each step is a forward and an argmax on the device, fed
+        to the next step as it is; nothing is read back here (``Proposal.device_tokens``: the loop reads the
+        tokens with the target's choices, in the round's one transfer). Each row keeps its first ``limits[r]``."""
+        steps = max(limits)
+        chosen = []
+        logits = self._logits(feeds)  # [B, V]
+        for step in range(steps):
+            chosen.append(greedy_choice(logits))  # [B]
+            if step + 1 < steps:
+                logits = self._logits_after(chosen[-1])
+        drafted = torch.stack(chosen, dim=1)  # [B, steps]
+        seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
+        return [Proposal.device_chain(
+            drafted[r, :limit], [Source(SourceKind.DRAFT, 0, i) for i in range(1, limit + 1)],
+            draft_time=seconds, draft_forwards=steps if limit else 0, setup_time=setup, setup_tokens=read_tokens)
+            if limit else Proposal(setup_time=setup, setup_tokens=read_tokens)
+            for r, limit in enumerate(limits)]
 
     def _propose_trees(self, plans: Sequence[RoundPlan], ids: list[torch.Tensor], feeds: list[torch.Tensor],
                        start: float, **fields) -> list[Proposal]:
