@@ -221,6 +221,7 @@ def call_model(
     model_inputs: Mapping[str, Any] = NO_KWARGS,  # the call's other inputs for this forward (``inputs.py``)
     rolls_back: bool = True,  # the forward may be rolled back (False: a prompt read, kept whole)
     keep_output: bool = False,  # also return the model's output object (``ForwardResult.output``)
+    call: Callable | None = None,  # runs the model's forward in its stead (``compiled.CompiledVerify``: compiled)
 ) -> ForwardResult:
     """One forward over ``input_ids`` appended to ``cache`` (the cache grows by n columns in every layer).
 
@@ -252,7 +253,7 @@ def call_model(
         kwargs.update(model_inputs)
     if model_inputs.get("input_ids", input_ids) is not None:  # (None: the model reads a prompt's embeddings)
         kwargs[argument(model, "input_ids")] = input_ids
-    output = model(**kwargs)
+    output = (model if call is None else call)(**kwargs)
     recorded = decoder_recorded(model, output, record.hidden_states, record.attentions)  # (an encoder-decoder's
     # decoder_*, and its cross-attentions)
     if head is not None:
@@ -500,7 +501,7 @@ class KVStore:
         return result
 
     def forward(self, batch: BatchInputs, *, after: torch.LongTensor | None = None, logits_at: LogitsAt = None,
-                hidden: bool = False, record: Recording = NOTHING) -> ForwardResult:
+                hidden: bool = False, record: Recording = NOTHING, call: Callable | None = None) -> ForwardResult:
         """Write a round's stacked inputs (``batch``: [B, n]) at the next n slots and run the model over them.
 
         Each row's inputs sit at its next positions plus their offsets and see the row's kept columns, each
@@ -509,7 +510,7 @@ class KVStore:
         offset. ``after`` [B, n] gives each input its own path (a tree's frontier, drafted depth by depth: each
         node continues its parent; ``batch.inner`` is then required). Without ``after`` they see none of the
         written slots. Returns logits [B, m, V] at ``logits_at`` (hidden states on request) and ``slots`` [B, n],
-        the columns the inputs were written at.
+        the columns the inputs were written at. ``call`` runs the model in its stead (``call_model``).
         """
         rows, n = batch.input_ids.shape
         assert self.num_written or not self.positions_are_distances() or self._alignment() is None, \
@@ -542,7 +543,7 @@ class KVStore:
             mask = self._layer_masks(full, positions, n)
         result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
                             position_ids=self.inputs.positions(positions).to(self.device), attention_mask=mask,
-                            hidden=hidden, head=self.head, record=record, model_inputs=self.inputs.step(n))
+                            hidden=hidden, head=self.head, record=record, model_inputs=self.inputs.step(n), call=call)
         w = self.num_written
         sees = torch.zeros(rows, w + n, w + n, dtype=torch.bool)
         sees[:, :w, :w] = self._sees

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteria
 
 from . import cache as kv
+from .compiled import verifier_for
 from .config import LookaheadConfig, SpecConfig, TreeMode, auto_draft_vocab_size
 from .costmodel import Estimates
 from .drafters.base import DraftCall, DraftKind, DraftSource
@@ -108,8 +109,8 @@ def speculative_generate(
             call, model_inputs=_draft_inputs(draft, inputs, draft_model_inputs, inputs_tensor),
             draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size) if ed.draft_reads_ids_only(draft) else None)
     drafter = source.drafter(call)
-    return _run(model, inputs, drafter, make_policy(config, estimates), spec_streamer, generation_config,
-                "speculative", origin)
+    return _run(model, inputs, drafter, make_policy(config, estimates, width=inputs.verifier.width), spec_streamer,
+                generation_config, "speculative", origin)
 
 
 def lookahead_generate(
@@ -145,8 +146,8 @@ def lookahead_generate(
     source = LookaheadSource(config, memory, remember=lookahead_memory is not None, trees=trees)
     drafter = source.drafter(DraftCall(model, inputs.logits_processor, do_sample=inputs.do_sample,
                                        vocab_size=inputs.vocab_size, pad_token_id=inputs.pad_token_id))
-    return _run(model, inputs, drafter, make_policy(config, memory.estimates), spec_streamer, generation_config,
-                "lookahead", origin)
+    return _run(model, inputs, drafter, make_policy(config, memory.estimates, width=inputs.verifier.width),
+                spec_streamer, generation_config, "lookahead", origin)
 
 
 # -- shared preparation ---------------------------------------------------------------------------------------------
@@ -290,6 +291,7 @@ def _prepare(model, input_ids, logits_processor, stopping_criteria, generation_c
         position_ids=positions,
         # plain generate() returns its cache with return_dict_in_generate, and extends a caller's in place
         return_cache=returned or bool(getattr(cache, "_is_user_defined", False)),
+        verifier=verifier_for(model, generation_config, cache),  # compiled where plain's forward would be
     )
 
 

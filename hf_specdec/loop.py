@@ -42,6 +42,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from . import cache as kv
+from .compiled import EAGER, Verifier
 from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
 from .inputs import NO_INPUTS, ModelInputs
@@ -83,6 +84,7 @@ class DecodeInputs:
     cached: int = 0  # input_ids' leading columns that cache holds: the prefill reads the others
     position_ids: torch.Tensor | None = None  # [B or 1, P - cached] the positions of what the prefill reads, or None
     return_cache: bool = False  # hand the cache back (``Decoded.cache``) in the state plain generate leaves it
+    verifier: Verifier = EAGER  # runs each round's verify forward (``compiled.py``: compiled over a static cache)
 
     @property
     def returns(self) -> bool:
@@ -278,7 +280,8 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
         where = torch.full((n,), -1, dtype=torch.long)
         where[needed] = torch.arange(needed.shape[0])
     full = needed.shape[0] == n
-    written = cache.forward(batch, logits_at=needed.shape[0] if full else needed, record=inputs.record)
+    written = inputs.verifier.forward(cache, batch, logits_at=needed.shape[0] if full else needed,
+                                      record=inputs.record)
     logits = written.logits[..., : inputs.vocab_size]  # [B, |needed|, V]
     # the target's own choice and top choices at every computed row, for the whole batch at once: one call each
     # instead of one per row (per-row calls measured 2-3x slower at B = 8 on CPU); its own choice only where it is
@@ -330,7 +333,8 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
             top_next = tops[i, index[computed], : proposal.top_k]  # [R, K]
         outcomes.append(RoundOutcome(
             proposal=proposal, accepted=verdict.accepted, next_token=verdict.next_token, emitted=(),
-            start_length=view.ids.shape[0], forward_tokens=batch.num_tokens, verify_time=seconds,
+            start_length=view.ids.shape[0], verify_time=seconds,  # the forward's inputs: at the width it ran
+            forward_tokens=batch.input_ids.shape[0] * inputs.verifier.width(batch.input_ids.shape[1]),
             extra_next=extra_next, top_inputs=top_inputs, top_next=top_next, row=view.row, rows=len(views),
             compacted=compacted, compact_time=compact_time))
     return outcomes, scores

@@ -386,7 +386,7 @@ class RoundOutcome:
     the row stopped this round (EOS, a stop string, a criterion or the length limit); rows: rows in the forward;
     plan: the plan the round followed; compacted, compact_time: the holes (row x column cells) the cache's
     compaction removed after this round's keep and its seconds (0 when it did not run): a step of its own, not
-    part of ``verify_time``, priced per hole (``costmodel.ForwardPrice.hole``).
+    part of ``verify_time``, priced per hole (``costmodel.RoundCost.hole``).
     """
 
     proposal: Proposal
