@@ -24,7 +24,13 @@ decoder-only model:
   ``decoder_position_ids`` (Whisper) gets them; one that reads positions only as column distances
   (``positions_are_distances``: T5's relative bias) gets each row's tokens laid out at plain's distances after
   every keep (``cache.KVStore._alignment``); one that numbers its tokens by cache column (BART's learned
-  positions) runs one prompt at a time (``support.check_supported``).
+  positions) runs one prompt at a time (``support.check_supported``);
+- Whisper's own generate() hands over long-form audio window by window (``support.ROUTED_GENERATE``), one call
+  per window and per temperature-fallback rerun, each decoded as plain decodes it: its decoder prompt (the previous
+  windows' text before the start tokens, left-padded, with its ``decoder_attention_mask``) is a padded prompt, its
+  encoder input one window, and its encoder ``attention_mask`` the caller's (every audio's frames, whichever rows
+  are left: plain passes it so, and Whisper's decoder never reads it). ``model.last_spec_stats`` holds the last
+  window's call's stats.
 
 Worked example (the decoder's argument names; a decoder-only model keeps the loop's):
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from transformers import DynamicCache, GenerationMixin
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
@@ -51,23 +50,14 @@ INEXACT = {
 }
 
 
-def _whisper_long_form(model, inputs) -> str | None:
-    """Why Whisper's generate() would not hand hf_specdec this call whole: audio past one 30-s window is
-    transcribed window by window (long-form), each window's call conditioned on the previous one's text, with
-    temperature fallback over whole windows; None for short-form audio (one window: one call of
-    ``GenerationMixin.generate``)."""
-    frames = model.config.max_source_positions * 2  # the encoder's two convolutions: stride 1, then 2
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 3 and inputs.shape[-1] > frames:
-        return (f"its input_features have {inputs.shape[-1]} frames, more than one {frames}-frame window, which "
-                "Whisper's generate() transcribes window by window (long-form); hf_specdec runs short-form audio "
-                "(one window, up to 30 s). Use plain generate() for long-form audio, or split it into windows")
-    return None
-
-
 # Classes whose own generate() prepares its inputs and then hands the call, its keyword arguments included
-# (custom_generate), to ``GenerationMixin.generate``: hf_specdec runs inside it. Each entry says why a call cannot
-# run so (None: it can), from the model and the call's main input.
-ROUTED_GENERATE = {inspect.unwrap(WhisperGenerationMixin.generate): _whisper_long_form}
+# (custom_generate, the draft model, the memories), to ``GenerationMixin.generate``: hf_specdec runs inside it. Each
+# entry says why a call cannot run so, from the model and the call's main input (None: every call can). Whisper's
+# hands over a short-form call (one window of audio) whole, and a long-form one (more frames than one window, or
+# ``return_timestamps=True``) window by window: each window's call, its decoder prompt the previous windows' text
+# (``condition_on_prev_tokens``) and its temperature-fallback reruns, is one hf_specdec call decoding exactly as
+# plain's, scores included (tests/test_whisper_long_form.py), so nothing is refused.
+ROUTED_GENERATE = {inspect.unwrap(WhisperGenerationMixin.generate): None}
 
 
 def _generate_of(model):
@@ -78,7 +68,7 @@ def _generate_of(model):
 
 def check_own_generate(model, inputs) -> None:
     """Raise ``Unsupported`` where ``model``'s class has its own generate() (``ROUTED_GENERATE``) and it would not
-    hand this call (main input ``inputs``) to ``GenerationMixin.generate`` whole."""
+    hand this call (main input ``inputs``) to ``GenerationMixin.generate`` with its keyword arguments."""
     check = ROUTED_GENERATE.get(_generate_of(model))
     reason = None if check is None else check(model, inputs)
     if reason is not None:

@@ -388,15 +388,6 @@ def no_forward(model):
     return calls
 
 
-def test_whisper_long_form_is_refused(whisper_target):
-    target = copy.deepcopy(whisper_target)
-    calls = no_forward(target)
-    hf_specdec.enable(target)
-    with pytest.raises(Unsupported, match="long-form.*Use plain generate"):
-        target.generate(torch.randn(1, 16, 150), assistant_model=whisper_decoder_draft(target), max_new_tokens=4)
-    assert not calls
-
-
 def test_a_batch_of_a_decoder_numbering_tokens_by_column_is_refused():
     """BART numbers its decoder tokens by cache column (learned positions, no position ids): rows that advance at
     their own pace would sit at other columns than plain's. (T5 reads only distances: its batches run.)"""
