@@ -130,8 +130,12 @@ class LayerBackend(Protocol):
     branches: bool  # can one forward write a trie (several continuations of a token, each seeing its own path)?
     rows_apart: str | None  # why the rows of a batch cannot keep different numbers of tokens a round (None: they can)
     attends: bool  # does the layer attend over cache columns (a 2-D mask addresses them)? (Mamba's: no)
+    chain_lane: bool  # is keeping a prefix of what was written a ``shorten`` and nothing else (one column per token,
+    # every column held, no window, no state to restore)? ``cache.KVStore``'s fast lane for one row's chains
 
     def holds(self, layer) -> bool: ...
+
+    def shorten(self, layer, length: int) -> None: ...
 
     def prepare(self, layer, inputs: int) -> None: ...
 
@@ -180,11 +184,17 @@ class FullAttention(Columns):
     lendable = True
     branches = True
     rows_apart = None
+    chain_lane = True
 
     def crop(self, layer, length: int, window: bool) -> None:
         current = layer.get_seq_length()
         if current > length:
             layer.crop(length - current)
+
+    def shorten(self, layer, length: int) -> None:
+        """The first ``length`` columns, where the store knows the layer holds at least as many (its fast lane)."""
+        if layer.is_initialized:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
     def settle(self, layer) -> None:
         """Nothing to trim: the layer needs every column it holds."""
@@ -232,6 +242,7 @@ class SlidingWindow(FullAttention):
 
     holds_holes = False
     lendable = False
+    chain_lane = False  # a keep also trims its window (``settle``)
     rows_apart = "it has sliding-window attention layers, whose window is kept per cache column"
 
     def crop(self, layer, length: int, window: bool) -> None:
@@ -279,8 +290,13 @@ class Stateless(Columns):
     branches = True
     rows_apart = None
 
+    chain_lane = True
+
     def crop(self, layer, length: int, window: bool) -> None:
         """Nothing held: the producer's crop is the consumer's."""
+
+    def shorten(self, layer, length: int) -> None:
+        """Nothing held."""
 
     def settle(self, layer) -> None:
         """Nothing held."""
@@ -353,6 +369,8 @@ class Indexed(FullAttention):
     >>> layer.indexer_keys.flatten().tolist()  # column 5 moved to 4, the rest cropped
     [0.0, 1.0, 2.0, 3.0, 5.0]
     """
+
+    chain_lane = False  # its indexer columns follow every crop (``crop``)
 
     def crop(self, layer, length: int, window: bool) -> None:
         """Each tensor cropped to ``length`` on its own (a forward that failed half-way may have written the keys
@@ -455,8 +473,16 @@ class StaticAttention(Columns):
     branches = True
     rows_apart = None
 
+    chain_lane = True
+
     def crop(self, layer, length: int, window: bool) -> None:
         if layer.is_initialized and int(layer.get_seq_length()) > length:
+            self.place(layer, length)
+
+    def shorten(self, layer, length: int) -> None:
+        """The write position moved back to ``length``, where the store knows the layer holds at least as many
+        columns (its fast lane): no read of the layer's count (a device tensor)."""
+        if layer.is_initialized:
             self.place(layer, length)
 
     def settle(self, layer) -> None:
@@ -516,6 +542,7 @@ class StaticSlidingWindow(StaticAttention):
     column: holes are gathered at once, and the rows of a batch cannot keep different numbers of tokens."""
 
     holds_holes = False
+    chain_lane = False  # its second count (``place``) and window go the general way
     rows_apart = "it has sliding-window attention layers, whose window is kept per cache column"
 
     def compact(self, layer, index: torch.LongTensor) -> None:
@@ -670,6 +697,10 @@ class Recurrent:
     branches = False
     rows_apart = None  # each row's states are restored on their own
     attends = False  # no attention over columns: a 2-D mask would address nothing (Mamba takes it per input)
+    chain_lane = False  # a keep restores each row's states (``keep_rows``)
+
+    def shorten(self, layer, length: int) -> None:
+        raise AssertionError("a recurrent layer is never in the fast lane (chain_lane is False)")
 
     def holds(self, layer) -> bool:
         return any(layer.is_conv_states_initialized.values())

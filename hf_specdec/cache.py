@@ -54,9 +54,11 @@ timings use.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -64,11 +66,12 @@ from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache
 
 from .backends import Buffers, RowStates, attends, backend_for, holds_states, keep_rows, layer_backends, prepare
-from .encoder_decoder import argument, positions_are_distances, reads_encoder
+from .encoder_decoder import DECODER_ARGUMENTS, argument, is_encoder_decoder, positions_are_distances, reads_encoder
 from .encoder_decoder import recorded as decoder_recorded
 from .errors import Unsupported
 from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
 from .layout import BatchInputs, to_model_mask
+from .layout import positions as _arange
 
 
 def new_cache(model) -> DynamicCache | EncoderDecoderCache:
@@ -167,6 +170,8 @@ class Recording:
 
 
 NOTHING = Recording()
+NOT_RECORDED = MappingProxyType(dict(hidden_states=None, attentions=None, cross_attentions=None))  # what
+# ``encoder_decoder.recorded`` gives where nothing is recorded
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,32 @@ class ForwardResult:
 
 
 LogitsAt = int | torch.Tensor | None  # the last n inputs, or [m] input indices, or None: every input
+
+# Causal LMs whose forward is exactly ``logits = lm_head(base(...).last_hidden_state[:, logits_to_keep])`` (no logit
+# scaling, no softcapping, no other output), read in each one's modeling file of transformers 5.25: ``call_model``
+# runs their base model and ``lm_head`` itself (``plain_head``). By (module, class name): a subclass may differ.
+PLAIN_HEADS = frozenset((f"transformers.models.{module}.modeling_{module}", name) for module, name in (
+    ("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"), ("phi3", "Phi3ForCausalLM"), ("gemma", "GemmaForCausalLM"),
+    ("olmo2", "Olmo2ForCausalLM"), ("smollm3", "SmolLM3ForCausalLM")))
+
+
+def plain_head(model) -> torch.nn.Module | None:
+    """``model``'s output layer where ``call_model`` may run the base model and that layer itself instead of the
+    model's own forward (a class in ``PLAIN_HEADS``, whose forward is run as the class defines it: none set on the
+    instance, no hooks on the model itself), bit-identical logits without the wrapper's host work (its decorators,
+    its output object); None for any other model (Gemma 2's softcapping, Granite's scaling, ...).
+
+    >>> from hf_specdec.models.tiny import tiny_model
+    >>> model = tiny_model("llama")
+    >>> plain_head(model) is model.lm_head
+    True
+    """
+    kind = type(model)
+    if ((kind.__module__, kind.__qualname__) not in PLAIN_HEADS or "forward" in vars(model)
+            or model._forward_hooks or model._forward_pre_hooks):
+        return None
+    return model.lm_head
 
 
 def _select(states: torch.Tensor, logits_at: LogitsAt) -> torch.Tensor:
@@ -222,6 +253,7 @@ def call_model(
     rolls_back: bool = True,  # the forward may be rolled back (False: a prompt read, kept whole)
     keep_output: bool = False,  # also return the model's output object (``ForwardResult.output``)
     call: Callable | None = None,  # runs the model's forward in its stead (``compiled.CompiledVerify``: compiled)
+    slots: torch.Tensor | None = None,  # ``ForwardResult.slots``, passed through (``KVStore.forward``)
 ) -> ForwardResult:
     """One forward over ``input_ids`` appended to ``cache`` (the cache grows by n columns in every layer).
 
@@ -233,18 +265,23 @@ def call_model(
     ``generate`` sets them; with a ``head``, those of the base model. ``model_inputs`` go to the model as they
     are (``inputs.ModelInputs``: what plain ``generate`` gives this forward besides tokens, positions and mask).
     A recurrent layer records the state before each input of a forward that ``rolls_back`` (``backends.prepare``).
+    A model in ``PLAIN_HEADS`` asked for logits alone runs as its base model and its own output layer as ``head``.
     """
     prepare(split_cache(cache)[0].layers, input_ids.shape[1] if rolls_back else 0)
+    if head is None and call is None and not hidden and not record and not keep_output:
+        head = plain_head(model)
     if head is not None:
         model = getattr(model, model.base_model_prefix)
     params = _forward_params(type(model))
     kwargs = {("cache" if "cache" in params else "past_key_values"): cache, "use_cache": True}
     if head is None and logits_at is not None and "logits_to_keep" in params:
         kwargs["logits_to_keep"] = logits_at.to(input_ids.device) if isinstance(logits_at, torch.Tensor) else logits_at
-    if position_ids is not None and argument(model, "position_ids") in params:  # an encoder-decoder's: decoder_*
-        kwargs[argument(model, "position_ids")] = position_ids
+    names = DECODER_ARGUMENTS if is_encoder_decoder(model) else NO_KWARGS  # (``argument``: an encoder-decoder's
+    # decoder_*, read once)
+    if position_ids is not None and names.get("position_ids", "position_ids") in params:
+        kwargs[names.get("position_ids", "position_ids")] = position_ids
     if attention_mask is not None:
-        kwargs[argument(model, "attention_mask")] = attention_mask
+        kwargs[names.get("attention_mask", "attention_mask")] = attention_mask
     if (hidden and head is None) or record.hidden_states:
         kwargs["output_hidden_states"] = True
     if record.attentions:
@@ -252,24 +289,36 @@ def call_model(
     if model_inputs:  # token types, images at a prefill, a prompt's embeddings (input_ids None)
         kwargs.update(model_inputs)
     if model_inputs.get("input_ids", input_ids) is not None:  # (None: the model reads a prompt's embeddings)
-        kwargs[argument(model, "input_ids")] = input_ids
+        kwargs[names.get("input_ids", "input_ids")] = input_ids
     output = (model if call is None else call)(**kwargs)
-    recorded = decoder_recorded(model, output, record.hidden_states, record.attentions)  # (an encoder-decoder's
-    # decoder_*, and its cross-attentions)
+    recorded = decoder_recorded(model, output, record.hidden_states, record.attentions) if record else NOT_RECORDED
+    # (an encoder-decoder's decoder_*, and its cross-attentions)
     if head is not None:
         states = _select(output.last_hidden_state, logits_at)  # [B, m, H]
-        return ForwardResult(head(states).float(), states if hidden else None, **recorded,
+        return ForwardResult(head(states).float(), states if hidden else None, slots, **recorded,
                              output=output if keep_output else None)
     logits = output.logits
     if "logits_to_keep" not in params:  # the model computed every position
         logits = _select(logits, logits_at)
     states = _select(output.hidden_states[-1], logits_at) if hidden else None
-    return ForwardResult(logits.float(), states, **recorded, output=output if keep_output else None)
+    return ForwardResult(logits.float(), states, slots, **recorded, output=output if keep_output else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The slot-addressed store
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _counts_up(offsets: torch.Tensor, n: int) -> bool:
+    """Are ``offsets`` [1, n] 0, 1, ..., n - 1 (a plain chain's)? A view of the shared ``layout.positions(n)`` is,
+    without a look at its values (what every chain's layout hands over); any other tensor is compared.
+
+    >>> _counts_up(_arange(3)[None], 3), _counts_up(torch.tensor([[0, 1, 1]]), 3)
+    (True, False)
+    """
+    counted = _arange(n)
+    return ((offsets.data_ptr() == counted.data_ptr() and offsets.stride(-1) == 1 and offsets.shape[-1] == n)
+            or torch.equal(offsets[0], counted))
 
 
 def _widen(mask: torch.Tensor, span: int) -> torch.Tensor:
@@ -314,6 +363,13 @@ class Fed:
     count: int
 
 
+class Continue(enum.Enum):
+    """``KVStore.forward``'s ``after`` given by name."""
+
+    LAST = "last"  # every row continues the last slot written (rows write in step: the same column in each), as a
+    # draft model drafting a chain step by step does
+
+
 class KVStore:
     """The cache of B rows that advance at their own pace, addressed by slots (see the module docstring).
 
@@ -324,6 +380,14 @@ class KVStore:
     columns after ``width`` were written since the last ``keep``: per written column, its position
     (``_positions`` [B, w]) and which written columns it saw (``_sees`` [B, w, w], itself included), so that a
     later forward can continue any of them and ``keep`` can take any path through them.
+
+    The fast lane: one row with no holes, in layers whose kept prefix is a crop (``backends``' ``chain_lane``: full
+    attention, dynamic or static), writing plain chains (``forward`` with no ``after`` or ``Continue.LAST``, no
+    inner mask, no padding, offsets 0..n-1) skips the slot table: the written inputs are counted in Python ints
+    (their positions follow the kept tokens one by one, each sees all before it), ``_positions`` and ``_sees`` are
+    made from them only if another operation reads them, and ``keep`` of a prefix is a crop of every layer
+    (``backends``' ``shorten``). What it runs is what the general path runs in that case; ``lane_forwards`` and
+    ``lane_keeps`` count it.
 
     >>> from hf_specdec.layout import BatchInputs
     >>> from hf_specdec.models.tiny import tiny_model
@@ -379,6 +443,11 @@ class KVStore:
         self._fed: dict[int, _Parked] = {}  # rows that stopped early after ``feed``: their padding read
         # the fixed caches' keys and values of every row, kept from the first row selection for ``finish`` (keeps_rows)
         self._fixed_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        # the fast lane (class docstring): inputs written in it since the last keep, the position of the first, and,
+        # per n, the device's positions 0..n-1 [1, n]
+        self._lane_written, self._lane_start, self._lane_ready = 0, 0, None
+        self._device_aranges: dict[int, torch.Tensor] = {}
+        self.lane_forwards = self.lane_keeps = 0  # forwards and keeps that took the fast lane
         self._positions = torch.zeros(0, 0, dtype=torch.long)
         self._sees = torch.zeros(0, 0, 0, dtype=torch.bool)
         self.gathers = 0  # how many times columns were gathered (``compact``, or ``keep`` where holes cannot stay)
@@ -400,7 +469,99 @@ class KVStore:
     @property
     def num_written(self) -> int:
         """Columns written since the last keep."""
-        return int(self._positions.shape[1])
+        return self._written_positions.shape[1] + self._lane_written
+
+    @property
+    def _positions(self) -> torch.LongTensor:
+        """[B, w] the position of each column written since the last keep (class docstring)."""
+        self._leave_lane()
+        return self._written_positions
+
+    @_positions.setter
+    def _positions(self, value: torch.LongTensor) -> None:
+        assert not self._lane_written, "the fast lane's columns are in _positions before it is set"
+        self._written_positions = value
+
+    @property
+    def _sees(self) -> torch.Tensor:
+        """[B, w, w] which written columns each written column saw, itself included (class docstring)."""
+        self._leave_lane()
+        return self._written_sees
+
+    @_sees.setter
+    def _sees(self, value: torch.Tensor) -> None:
+        assert not self._lane_written, "the fast lane's columns are in _sees before it is set"
+        self._written_sees = value
+
+    def _leave_lane(self) -> None:
+        """Put the columns written in the fast lane in the slot table, as the general path would have: positions
+        one after the other from the lane's first, each seeing every one before it and itself."""
+        w = self._lane_written
+        if w:
+            self._lane_written = 0
+            self._written_positions = (_arange(w) + self._lane_start)[None]
+            self._written_sees = torch.ones(w, w, dtype=torch.bool).tril()[None]
+
+    def _lane_open(self) -> bool:
+        """Can this store's forwards take the fast lane at all (one row, no holes, only ``chain_lane`` layers, a
+        model that reads positions as positions)? The layers' part is settled once they are all there."""
+        if self.num_rows != 1 or self.valid is not None:
+            return False
+        if self._lane_ready is None or self._lane_ready[0] is not self.backends:
+            backends = self.backends
+            ready = (bool(backends) and all(backend is not None and backend.chain_lane for backend in backends)
+                     and not self.positions_are_distances())
+            self._lane_ready = (backends, ready)
+        return self._lane_ready[1]
+
+    def _takes_lane(self, batch: BatchInputs, after) -> bool:
+        """Does this ``forward`` take the fast lane (class docstring)?"""
+        if after is None:
+            if self.num_written:
+                return False
+        elif after is not Continue.LAST or not self._lane_written:
+            return False
+        n = batch.input_ids.shape[1]
+        return (batch.inner is None and batch.valid is None and batch.input_ids.shape[0] == 1 and self._lane_open()
+                and _counts_up(batch.offsets, n))
+
+    def _lane_forward(self, batch: BatchInputs, logits_at: LogitsAt, hidden: bool, record: Recording,
+                      call: Callable | None) -> ForwardResult:
+        """``forward`` in the fast lane: the inputs at the positions after the last written (or kept) one, the
+        model's own causal mask (the general path's dense case), no slot table."""
+        n = batch.input_ids.shape[1]
+        past = self.width + self._lane_written
+        if not self._lane_written:
+            self._lane_start = int(self.lengths[0]) + int(self._offset[0])  # (host tensors)
+        start = self._lane_start + self._lane_written
+        self._span(past + n)  # a static cache's buffers grown first where the forward does not fit them
+        aranges = self._device_aranges.get(n)
+        if aranges is None:
+            aranges = self._device_aranges[n] = _arange(n)[None].to(self.device)
+        result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
+                            position_ids=self.inputs.positions(aranges + start).to(self.device), hidden=hidden, head=self.head,
+                            record=record, model_inputs=self.inputs.step(n), call=call,
+                            slots=_arange(n)[None] + past)
+        self._lane_written += n
+        self.lane_forwards += 1
+        return result
+
+    def _lane_keep(self, kept: Sequence[Sequence[int]]) -> bool:
+        """``keep`` in the fast lane where it is one: the row keeps a prefix of what it wrote in it (a crop of every
+        layer, no index tensors). Returns whether it did."""
+        if not self._lane_written or len(kept) != 1:
+            return False
+        m = len(kept[0])
+        if m > self._lane_written or list(kept[0]) != list(range(self.width, self.width + m)):
+            return False
+        if m < self._lane_written:
+            for layer, backend in zip(self.layers, self.backends):
+                backend.shorten(layer, self.width + m)
+        self.width += m
+        self.lengths = self.lengths + m
+        self._lane_written = 0
+        self.lane_keeps += 1
+        return True
 
     @property
     def dense(self) -> bool:
@@ -455,6 +616,7 @@ class KVStore:
         return self.buffers.width
 
     def _reset_written(self) -> None:
+        self._lane_written = 0
         self._positions = torch.zeros(self.num_rows, 0, dtype=torch.long)
         self._sees = torch.zeros(self.num_rows, 0, 0, dtype=torch.bool)
 
@@ -500,7 +662,7 @@ class KVStore:
             self._align()
         return result
 
-    def forward(self, batch: BatchInputs, *, after: torch.LongTensor | None = None, logits_at: LogitsAt = None,
+    def forward(self, batch: BatchInputs, *, after: torch.LongTensor | Continue | None = None, logits_at: LogitsAt = None,
                 hidden: bool = False, record: Recording = NOTHING, call: Callable | None = None) -> ForwardResult:
         """Write a round's stacked inputs (``batch``: [B, n]) at the next n slots and run the model over them.
 
@@ -509,10 +671,16 @@ class KVStore:
         that ends at ``after[r]`` (that slot and what it saw): the inputs continue it, at its position + 1 +
         offset. ``after`` [B, n] gives each input its own path (a tree's frontier, drafted depth by depth: each
         node continues its parent; ``batch.inner`` is then required). Without ``after`` they see none of the
-        written slots. Returns logits [B, m, V] at ``logits_at`` (hidden states on request) and ``slots`` [B, n],
-        the columns the inputs were written at. ``call`` runs the model in its stead (``call_model``).
+        written slots. ``Continue.LAST``: every row continues the last slot written. Returns logits [B, m, V] at
+        ``logits_at`` (hidden states on request) and ``slots`` [B, n], the columns the inputs were written at.
+        ``call`` runs the model in its stead (``call_model``). One row's chains take the fast lane (class docstring).
         """
+        if self._takes_lane(batch, after):
+            return self._lane_forward(batch, logits_at, hidden, record, call)
         rows, n = batch.input_ids.shape
+        if after is Continue.LAST:
+            assert self.num_written, "after: written slots"
+            after = torch.full((rows,), self.width + self.num_written - 1)
         assert self.num_written or not self.positions_are_distances() or self._alignment() is None, \
             "positions are distances: the rows' tokens are laid out as plain's before a round (_align)"
         past = self.width + self.num_written
@@ -551,8 +719,7 @@ class KVStore:
         sees[:, w:, w:] = inner
         self._sees = sees
         self._positions = torch.cat([self._positions, positions], dim=1)
-        slots = past + torch.arange(n).repeat(rows, 1)  # [B, n]
-        return dataclasses.replace(result, slots=slots)
+        return dataclasses.replace(result, slots=past + _arange(n).repeat(rows, 1))  # [B, n]
 
     def columns(self, row: int, path: Sequence[int]) -> torch.LongTensor:
         """The cache columns a query of row ``row`` attends to when it ends the path ``path`` (slots written since
@@ -678,6 +845,8 @@ class KVStore:
         (``holes_maskable``) and otherwise by ``compact`` when they pass ``COMPACT_FRACTION`` of the columns.
         """
         assert len(kept) == self.num_rows, "one list of slots per row"
+        if self._lane_keep(kept):
+            return
         w = self.num_written
         counts = torch.tensor([len(k) for k in kept], dtype=torch.long)
         index = torch.zeros(self.num_rows, w, dtype=torch.long)  # [B, w]: the written column of each kept token
