@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
 from . import cache as kv
 from .compiled import EAGER, Verifier
@@ -147,10 +147,11 @@ class _Row:
     _unpadded: torch.LongTensor | None = None
 
     def extend(self, tokens: list[int]) -> None:
-        """Append emitted tokens."""
+        """Append emitted tokens (to the buffers too, where made: new tensors, so views handed out stay as they were)."""
         self.new.extend(tokens)
         if self._padded is not None:
-            self._padded, self._unpadded = None, None
+            new = torch.tensor(tokens, dtype=torch.long)
+            self._padded, self._unpadded = torch.cat([self._padded, new]), torch.cat([self._unpadded, new])
 
     def _buffers(self) -> tuple[torch.LongTensor, torch.LongTensor]:
         if self._padded is None:
@@ -169,6 +170,7 @@ class _Row:
 def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecStats, streamer=None) -> Decoded:
     """Run the loop (module docstring)."""
     emitter = Emitter(streamer)
+    inputs = dataclasses.replace(inputs, stopping_criteria=_own_stops(inputs))
     steps: list[list[Step]] = [[] for _ in range(inputs.input_ids.shape[0])]  # per row, per emitted token, if asked
     start = time.perf_counter()
     emitter.prompt(inputs.input_ids)
@@ -229,6 +231,15 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
                    cache=cache.cache if inputs.return_cache else None)
 
 
+def _own_stops(inputs: DecodeInputs) -> StoppingCriteriaList:
+    """The call's stopping criteria less those the loop decides by itself: a ``MaxLengthCriteria`` at or past the
+    call's ``max_length`` (no row is offered more tokens than reach it, and a row that reaches it is done), which
+    would otherwise be evaluated after each emitted token (``stopping.cut_at_stop``)."""
+    return StoppingCriteriaList(criterion for criterion in inputs.stopping_criteria
+                                if not (type(criterion) is MaxLengthCriteria
+                                        and criterion.max_length >= inputs.max_length))
+
+
 def _rows(inputs: DecodeInputs) -> list[_Row]:
     mask = inputs.attention_mask  # [B, M]: M >= P with a cache passed in, or a prompt given as embeddings
     if mask is not None:  # the columns of input_ids: a drafter sees the tokens the target attends to
@@ -273,7 +284,8 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     layouts = [round_layout(proposal, int(view.ids[-1])) for view, proposal in zip(views, proposals)]
     batch = stack_layouts(layouts, inputs.pad_token_id)
     n = batch.input_ids.shape[1]
-    if all(layout.inner is None and not layout.read_rows.shape[0] for layout in layouts):  # chains: every input
+    chains = all(layout.inner is None and not layout.read_rows.shape[0] for layout in layouts)
+    if chains:  # every input
         needed, where = positions(n), positions(n)
     else:  # logits only where some row reads them (a window's inner inputs are never read): their union
         needed = torch.unique(torch.cat([layout.logits_index for layout in layouts]))  # sorted
@@ -293,7 +305,8 @@ def _verify_round(inputs: DecodeInputs, cache: kv.KVStore, rows: list[_Row], vie
     # on the device (``Proposal.device_tokens``)
     choices, tops, proposals = _read_back(greedy_choice(logits) if wanted else None,
                                           logits.topk(top_k, dim=-1).indices if top_k else None, proposals)
-    indices = [where[layout.logits_index] for layout in layouts]  # per row: [R] into logits
+    # per row: [R] into logits (a chain's: its inputs, 0..R-1, as ``where`` maps them)
+    indices = [layout.logits_index if chains else where[layout.logits_index] for layout in layouts]
     processed = None if raw else _process(inputs, [
         (row.row, row.padded(), proposal, logits[i, index[:1 + proposal.num_tokens].to(logits.device)])
         for i, (row, proposal, index) in enumerate(zip(rows, proposals, indices))])  # per row: [1 + T, V]
@@ -483,6 +496,7 @@ def _emit(inputs, emitter, steps: list[list[Step]], row: _Row, outcome: RoundOut
     """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
     if tokens is None:
         tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
+    tokens = tokens[: inputs.max_length - row.prompt.shape[0] - len(row.new)]  # (``_own_stops``: the length's stop)
     tokens, stop = cut_at_stop(row.padded, tokens, inputs.stopping_criteria)
     if emitter.streamer is not None:
         new_tokens = torch.tensor(tokens, dtype=torch.long)

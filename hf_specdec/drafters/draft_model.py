@@ -35,7 +35,7 @@ from transformers import LogitsProcessorList
 
 from .. import cache as kv
 from ..inputs import NO_INPUTS, ModelInputs
-from ..layout import BatchInputs, RoundLayout, stack_layouts
+from ..layout import NOTHING_READ, BatchInputs, RoundLayout, positions, stack_layouts
 from ..processors import process_rows
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 from ..verify import greedy_choice
@@ -175,7 +175,9 @@ class DraftModelDrafter(Drafter):
         written = self.cache.forward(batch, after=after, logits_at=1 if even else None)  # logits [B, 1 or n, V]
         for row, feed, slots in zip(self._written, feeds, written.slots.tolist()):
             row.extend(slots[: feed.shape[0]])
-        last = torch.zeros(len(feeds), dtype=torch.long) if even else torch.tensor([f.shape[0] - 1 for f in feeds])
+        if even:
+            return self._over_vocab(written.logits[:, 0])
+        last = torch.tensor([f.shape[0] - 1 for f in feeds])
         # over the target's vocabulary: the draft's padding rows past it are never proposed, and the target's rows
         # the draft lacks get -inf (never proposed, probability 0, which rejection sampling handles exactly)
         return self._over_vocab(written.logits[torch.arange(len(feeds)), last.to(written.logits.device)])
@@ -184,10 +186,13 @@ class DraftModelDrafter(Drafter):
         """``_logits`` of one token per row, ``tokens`` [B] where the last step computed them (the device): each row
         writes its token after its last written slot. Float logits [B, V]."""
         rows = tokens.shape[0]
-        batch = BatchInputs(self._readable(tokens[:, None]), torch.zeros(rows, 1, dtype=torch.long), None, None)
-        after = torch.tensor([row[-1] for row in self._written])
+        batch = BatchInputs(self._readable(tokens[:, None]), positions(1)[None].expand(rows, 1), None, None)
+        last = self.cache.width + self.cache.num_written - 1  # every row's last written slot, where rows step together
+        after = (kv.Continue.LAST if all(row[-1] == last for row in self._written)
+                 else torch.tensor([row[-1] for row in self._written]))
         written = self.cache.forward(batch, after=after, logits_at=1)  # logits [B, 1, V]
-        for row, slot in zip(self._written, written.slots[:, 0].tolist()):
+        slot = last + 1  # (the forward wrote one column)
+        for row in self._written:
             row.append(slot)
         return self._over_vocab(written.logits[:, 0])
 
@@ -431,8 +436,8 @@ class DraftModelSource:
 
 def _fed(tokens: torch.Tensor) -> RoundLayout:
     """Tokens fed as a plain chain (the first is the "last token" of a round without guesses)."""
-    return RoundLayout(tokens.cpu(), torch.arange(tokens.shape[0]), None, torch.arange(tokens.shape[0]),
-                       torch.zeros(0, dtype=torch.long), 0)
+    n = tokens.shape[0]
+    return RoundLayout(tokens.cpu(), positions(n), None, positions(n), NOTHING_READ, 0)  # (shared, never modified)
 
 
 def _left_padded(rows: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor | None]:
