@@ -29,8 +29,8 @@ decoder-only model:
   per window and per temperature-fallback rerun, each decoded as plain decodes it: its decoder prompt (the previous
   windows' text before the start tokens, left-padded, with its ``decoder_attention_mask``) is a padded prompt, its
   encoder input one window, and its encoder ``attention_mask`` the caller's (every audio's frames, whichever rows
-  are left: plain passes it so, and Whisper's decoder never reads it). ``model.last_spec_stats`` holds the last
-  window's call's stats.
+  are left: plain passes it so, and Whisper's decoder never reads it). ``model.last_spec_stats`` (after
+  ``enable``) holds the windows' calls' stats combined (``stats.combined``).
 
 Worked example (the decoder's argument names; a decoder-only model keeps the loop's):
 

@@ -452,10 +452,11 @@ def enable(model):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        stats_holder(model).set(None)  # this thread's latest call's stats: none for a plain call or one that raises
         kwargs.setdefault("lookahead_memory", model.lookahead_memory)
         kwargs.setdefault("speculative_memory", model.speculative_memory)
-        return route_generate(original, *args, model=model, **kwargs)
+        with stats_holder(model).opened():  # this thread's call's stats: none for a plain call or one that raises;
+            # the hf_specdec calls made inside it (Whisper's long-form windows) combined
+            return route_generate(original, *args, model=model, **kwargs)
 
     setattr(generate, _ENABLED, True)
     model.generate = generate

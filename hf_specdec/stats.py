@@ -28,6 +28,7 @@ Definitions, used the same way by the loop, the eval harness and the demo:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections import Counter
@@ -237,6 +238,54 @@ class SpecStats:
         return f"{text} ({self.why_plain()})" if self.plain_reasons else text
 
 
+# How ``combined`` joins each field of two calls' stats; every other field is a count or seconds, and adds up.
+_FIRST = ("mode", "ttft_s", "estimates_from", "estimates_why")  # the first call's (ttft: the first token's)
+_LARGEST = ("rows", "cache_bytes", "draft_cache_bytes")
+_LATEST = ("fell_back", "guess_cap")  # the latest call's that has one
+_PER_POSITION = ("drafted_per_position", "accepted_per_position")
+
+
+def combined(parts: Sequence[SpecStats]) -> SpecStats:
+    """The stats of hf_specdec calls made for one ``generate`` call, as one: Whisper's long-form transcription
+    calls ``GenerationMixin.generate`` once per window (and per temperature-fallback rerun), each an hf_specdec
+    call of its own. Counts and seconds add up, per-position counts add up position by position, logs follow each
+    other; the first token's time and the first estimates are the first call's, sizes the largest.
+
+    >>> a, b = SpecStats(new_tokens=5, rounds=3, accepted=2), SpecStats(new_tokens=4, rounds=2, accepted=1)
+    >>> a.accepted_per_position, b.accepted_per_position = [2, 1], [1]
+    >>> both = combined([a, b])
+    >>> both.new_tokens, both.rounds, both.accepted, both.accepted_per_position
+    (9, 5, 3, [3, 1])
+    """
+    whole = dataclasses.replace(parts[0])
+    for part in parts[1:]:
+        joined = {}
+        for spec in dataclasses.fields(SpecStats):
+            name, mine, theirs = spec.name, getattr(whole, spec.name), getattr(part, spec.name)
+            if name in _FIRST:
+                joined[name] = mine if mine is not None else theirs
+            elif name in _LARGEST:
+                joined[name] = max(mine, theirs)
+            elif name in _LATEST:
+                joined[name] = theirs if theirs is not None else mine
+            elif name in _PER_POSITION:
+                longest = max(len(mine), len(theirs))
+                joined[name] = [(mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0)
+                                for i in range(longest)]
+            elif isinstance(mine, Counter):
+                joined[name] = mine + theirs
+            elif isinstance(mine, list):
+                joined[name] = mine + theirs
+            elif name == "verify_time_by_tokens":
+                joined[name] = {n: mine.get(n, []) + theirs.get(n, []) for n in {*mine, *theirs}}
+            elif isinstance(mine, dict):  # plain_wording: each kind's newest
+                joined[name] = {**mine, **theirs}
+            else:
+                joined[name] = mine + theirs
+        whole = SpecStats(**joined)
+    return whole
+
+
 class LastSpecStats:
     """``model.last_spec_stats``: the ``SpecStats`` of the calling thread's latest hf_specdec call on the model.
 
@@ -245,6 +294,9 @@ class LastSpecStats:
     this thread finished, or after one that raised), and it is false when there are none. Each call resets the
     calling thread's entry when it starts. ``out.spec_stats`` (``return_dict_in_generate=True``) is the call's
     own, whatever the thread.
+
+    A ``generate`` call of ``enable``'s opens a *call* (``opened``): the hf_specdec calls made inside it (Whisper's
+    long-form windows, each one ``GenerationMixin.generate`` call) are ``combined`` into that call's stats.
     """
 
     def __init__(self) -> None:
@@ -254,7 +306,29 @@ class LastSpecStats:
         return getattr(self._local, "stats", None)
 
     def set(self, stats: SpecStats | None) -> None:
-        self._local.stats = stats
+        """An hf_specdec call's stats (None: one starts). Inside an open call, each one's stats join the call's
+        (``combined``), and a start clears nothing."""
+        depth = getattr(self._local, "depth", 0)
+        if depth and stats is None:
+            return
+        earlier = self.get() if depth else None
+        self._local.stats = stats if earlier is None else combined([earlier, stats])
+
+    @contextlib.contextmanager
+    def opened(self):
+        """One ``generate`` call that may make several hf_specdec calls: its stats start empty, join theirs, and
+        are none if it raises."""
+        depth = getattr(self._local, "depth", 0)
+        if not depth:
+            self._local.stats = None
+        self._local.depth = depth + 1
+        try:
+            yield self
+        except BaseException:
+            self._local.stats = None
+            raise
+        finally:
+            self._local.depth = depth
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "_local":  # copy/pickle probes, and before __init__ ran

@@ -135,6 +135,11 @@ def test_long_form_is_plain(way):
     assert_same(out, expected)
     assert len(runs) >= 240 // WINDOW  # one encoder run per window: the call went long-form
     assert_drafted(holder, windows=240 // WINDOW)
+    if way != "custom_generate":  # enable's call: the windows' stats combined in model.last_spec_stats
+        whole = holder.get()
+        for name in ("new_tokens", "forwards", "drafted", "accepted"):
+            assert getattr(whole, name) == sum(getattr(part, name) for part in holder.calls), name
+        assert whole.ttft_s == holder.calls[0].ttft_s and whole.new_tokens > holder.calls[-1].new_tokens
 
 
 @pytest.mark.parametrize("lengths", [(240,), LONG], ids=["one audio", "a batch of two lengths"])
