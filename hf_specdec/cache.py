@@ -210,8 +210,9 @@ PLAIN_HEADS = frozenset((f"transformers.models.{module}.modeling_{module}", name
 def plain_head(model) -> torch.nn.Module | None:
     """``model``'s output layer where ``call_model`` may run the base model and that layer itself instead of the
     model's own forward (a class in ``PLAIN_HEADS``, whose forward is run as the class defines it: none set on the
-    instance, no hooks on the model itself), bit-identical logits without the wrapper's host work (its decorators,
-    its output object); None for any other model (Gemma 2's softcapping, Granite's scaling, ...).
+    instance or patched onto the class, no hooks on the model itself), bit-identical logits without the wrapper's
+    host work (its decorators, its output object); None for any other model (Gemma 2's softcapping, Granite's
+    scaling, ...).
 
     >>> from hf_specdec.models.tiny import tiny_model
     >>> model = tiny_model("llama")
@@ -219,7 +220,10 @@ def plain_head(model) -> torch.nn.Module | None:
     True
     """
     kind = type(model)
+    forward = kind.forward  # the class's own, as its modeling file defines it (not one patched onto the class)
     if ((kind.__module__, kind.__qualname__) not in PLAIN_HEADS or "forward" in vars(model)
+            or getattr(forward, "__qualname__", None) != f"{kind.__qualname__}.forward"
+            or getattr(forward, "__module__", None) != kind.__module__
             or model._forward_hooks or model._forward_pre_hooks):
         return None
     return model.lm_head

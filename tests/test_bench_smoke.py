@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SMOKE_RUNS = {  # script: its smoke runs' arguments, one list per run, in order (OUT is replaced by the output path)
     "first_call.py": [["--tiny", "--limit", "2", "--out", "OUT"]],
+    "compiled_verify.py": [["--tiny", "--out", "OUT"]],
     "trees.py": [["--tiny", "--limit", "2", "--out", "OUT"]],
     "drafters.py": [["--tiny", "--limit", "2", "--out", "OUT"]],
     "before_after.py": [["--tiny", "--limit", "2", "--old", "HEAD", "--out", "OUT"]],
@@ -94,6 +95,10 @@ def verdicts(script: str, out: Path) -> list[tuple[str, int, bool]]:
         report = json.loads((out / "static_cache.json").read_text())
         return [(f"B={batch} {mode}", entry["tokens"], _fraction_all(entry["rows_equal_to_plain"]))
                 for batch, modes in report["results"].items() for mode, entry in modes.items()]
+    if script == "compiled_verify.py":  # forwards, not decoding: compiled picks eager's token at every input
+        report = json.loads((out / "compiled_verify.json").read_text())
+        return [(f"{row['model']} n={row['inputs']}", row["inputs"], row["same_tokens"])
+                for model in report["models"] for row in model["rows"]]
     raise AssertionError(f"no reader for bench/{script}'s report: add one to verdicts()")
 
 

@@ -209,3 +209,19 @@ def test_softcapping_and_hooks_are_not_bypassed():
     assert plain_head(model) is None  # a hook on the model itself runs only in its own forward
     handle.remove()
     assert plain_head(model) is model.lm_head
+
+
+def test_a_forward_patched_onto_the_class_is_not_bypassed(monkeypatch):
+    """A forward patched onto the class (a library's hook, a test's clock) runs: the model is not bypassed."""
+    model = _tiny("llama")
+    own = type(model).forward
+    calls = []
+
+    def patched(self, *args, **kwargs):
+        calls.append(1)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", patched)
+    assert plain_head(model) is None
+    mine, theirs = _logits_both_ways(model, 2)
+    assert torch.equal(mine, theirs) and len(calls) == 4  # two prompt reads, call_model's forward, the model's own

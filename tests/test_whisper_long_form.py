@@ -242,13 +242,7 @@ def test_temperature_fallback_is_plain(fallback):
     features, mask = audio()
     call = dict(attention_mask=mask, return_timestamps=True, condition_on_prev_tokens=True, language="en",
                 max_new_tokens=WINDOW_TOKENS, **FALLBACKS[fallback])
-    expected = plain(target, features, **call)
-    assert expected.shape[-1] > 0
-    holder = watched(target)
-    hf_specdec.enable(target)
-    out = target.generate(features, assistant_model=truncated(target), spec_config=FIXED, **call)
-    assert_same(out, expected)
-    assert_drafted(holder)
+    assert drafted_as_plain(target, features, call).shape[-1] > 0
 
 
 def test_prompt_ids_on_every_window_are_plain():
@@ -256,12 +250,18 @@ def test_prompt_ids_on_every_window_are_plain():
     features, mask = audio()
     call = dict(attention_mask=mask, return_timestamps=True, condition_on_prev_tokens=True, language="en",
                 prompt_ids=torch.tensor([46, 20, 21]), prompt_condition_type="all-segments", do_sample=False)
+    drafted_as_plain(target, features, call)
+
+
+def drafted_as_plain(target, features, call: dict):
+    """``call`` with ``enable(target)`` and a truncated draft returns plain's output, and drafted: plain's output."""
     expected = plain(target, features, **call)
     holder = watched(target)
     hf_specdec.enable(target)
     out = target.generate(features, assistant_model=truncated(target), spec_config=FIXED, **call)
     assert_same(out, expected)
     assert_drafted(holder)
+    return expected
 
 
 def test_token_timestamps_are_plain():
