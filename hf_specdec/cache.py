@@ -543,8 +543,8 @@ class KVStore:
         if aranges is None:
             aranges = self._device_aranges[n] = _arange(n)[None].to(self.device)
         result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
-                            position_ids=self.inputs.positions(aranges + start).to(self.device), hidden=hidden, head=self.head,
-                            record=record, model_inputs=self.inputs.step(n), call=call,
+                            position_ids=self.inputs.positions(aranges + start).to(self.device), hidden=hidden,
+                            head=self.head, record=record, model_inputs=self.inputs.step(n), call=call,
                             slots=_arange(n)[None] + past)
         self._lane_written += n
         self.lane_forwards += 1
@@ -666,8 +666,9 @@ class KVStore:
             self._align()
         return result
 
-    def forward(self, batch: BatchInputs, *, after: torch.LongTensor | Continue | None = None, logits_at: LogitsAt = None,
-                hidden: bool = False, record: Recording = NOTHING, call: Callable | None = None) -> ForwardResult:
+    def forward(self, batch: BatchInputs, *, after: torch.LongTensor | Continue | None = None,
+                logits_at: LogitsAt = None, hidden: bool = False, record: Recording = NOTHING,
+                call: Callable | None = None) -> ForwardResult:
         """Write a round's stacked inputs (``batch``: [B, n]) at the next n slots and run the model over them.
 
         Each row's inputs sit at its next positions plus their offsets and see the row's kept columns, each

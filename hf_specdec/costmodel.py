@@ -266,7 +266,8 @@ class RoundCost:
     ``t_draft`` is known); ``width``: the inputs per row the target's forward runs for n (a compiled verify pads
     n to its bucket; None: n itself); ``may_lose``: the planner's decision whether a round may lose so many
     seconds against this price (``Regret.allows``: the regret allowance is the planner's, not the price's; None:
-    nothing, so the measured curve prices a size only where it costs no less than the seed); ``read``: seconds of the draft's prompt read a round pays before drafting (0 once read).
+    nothing, so the measured curve prices a size only where it costs no less than the seed); ``read``: seconds of
+    the draft's prompt read a round pays before drafting (0 once read).
 
     >>> cost = ForwardCost.from_table({1: 0.10, 4: 0.20, 8: 0.30, 16: 0.34}, prior=True)  # a profile's seeds
     >>> cost.observe(1, 0.10); cost.observe(4, 0.11)  # measured here: t(4) is one step, not two

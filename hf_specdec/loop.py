@@ -141,8 +141,8 @@ class _Row:
     unpadded: torch.LongTensor  # [L0] without padding
     new: list[int] = field(default_factory=list)
     done: bool = False
-    # the padded and unpadded tokens so far, each at the start of a buffer that grows as tokens are appended
-    # (``extend``): ``padded`` and ``view`` hand out views of them, whose tokens never change afterwards
+    # the padded and unpadded tokens so far, made on first use and remade as tokens are appended (``extend``):
+    # ``padded`` and ``view`` hand them out, and nothing writes into a tensor once handed out
     _padded: torch.LongTensor | None = None
     _unpadded: torch.LongTensor | None = None
 
