@@ -556,11 +556,11 @@ def test_a_draft_step_is_timed_through_the_head_it_drafts_with(monkeypatch):
     head = M.drafting_head(wide)
     assert isinstance(head, SubVocabHead) and head.token_ids.tolist() == list(range(32768))
     draft = M.measure_model(wide, "draft", sizes=(1,), repeats=1, rounds=1, read_tokens=(8,))
-    assert [h.token_ids.numel() for h in heads] == [32768]
+    assert [h.token_ids.numel() for h in heads] == [32768, 32768]  # its rounds, and t(1) again at the end (drift)
     assert draft.footprint_bytes == hardware.footprint_bytes(wide) + 32768 * 16 * 4  # the narrowed fp32 copy
     heads.clear()
     M.measure_model(wide, "target", sizes=(1,), repeats=1, rounds=1)
-    assert heads == [None]
+    assert heads == [None, None]
     assert M.drafting_head(tiny_model()) is None  # 384 ids: scored in full
 
 

@@ -51,7 +51,7 @@ from .hardware import (POST_LOAD_QUANTIZE, decoder_layers, dynamic_int8_availabl
                        quantization_config, quantized_compute_dtype, resolve_device)
 from .int4 import int4_available
 from .packed import packed_available
-from .profile import CONTEXT_TOKENS, PREFILL_TOKENS, FormatCost, text_config
+from .profile import CONTEXT_TOKENS, PREFILL_TOKENS, FormatCost, Samples, text_config
 
 REPEATS = 3
 ROUNDS, MAX_ROUNDS, ROUNDS_AGREE = 2, 4, 0.15  # proxy rounds: 2, up to 4 until two agree within 15%
@@ -269,7 +269,9 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
 
     The 2-layer and 1-layer proxies are timed in alternating rounds (``forward_times`` medians), at least
     ``ROUNDS`` and up to ``MAX_ROUNDS`` until two rounds agree; each time is the fastest round's (interference
-    from other processes only ever adds time).
+    from other processes only ever adds time). The result keeps its ``Samples`` for ``profile.check_cost``
+    (``store`` caches only what passes): each round's scaled t(n), and the 2-layer proxy's first size timed once
+    more at the end against its first round (a load that came or went while measuring).
 
     ``slower_than`` (seconds): a bound the format is worth measuring under. One step of each proxy is timed
     first (``PROBE_REPEATS``); when the scaled t(1) is above the bound the format is not measured further and the
@@ -306,6 +308,7 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
                 scaled = [_scaled(one.steps[1], two.steps[1], layers) for one, two in zip(rounds[1], rounds[2])]
                 if done >= ROUNDS and _agreeing(scaled):
                     break
+            drift = (rounds[2][0].steps[min(sizes)], _retimed(proxies[2], role, min(sizes), repeats, context_tokens))
         except (RuntimeError, ValueError, NotImplementedError, AssertionError) as err:
             if isinstance(err, FormatUnavailable):
                 raise
@@ -320,8 +323,19 @@ def measure_format(config, role: str, fmt: str, device: str = "cpu", weights: st
     if fastest[1].prefill is not None:
         prefill = _scaled(fastest[1].prefill, fastest[2].prefill, layers)
     footprint = int(_scaled(rounds[1][0].footprint, rounds[2][0].footprint, layers))
+    samples = Samples({n: tuple(_scaled(one.steps[n], two.steps[n], layers) for one, two in zip(rounds[1], rounds[2]))
+                       for n in sizes}, drift)
     return FormatCost(fmt, step, prefill_tokens if prefill is not None else 0, prefill, footprint, "proxy",
-                      context_tokens, reads)
+                      context_tokens, reads, samples)
+
+
+def _retimed(model, role: str, size: int, repeats: int, context_tokens: int) -> float:
+    """The first size timed once more, as ``_timings`` timed it: the end of a measurement's ``Samples.drift``
+    (another process that started or stopped while it ran shows as a change against the start)."""
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    head = drafting_head(model) if role == "draft" else None
+    with _quiet_bitsandbytes():
+        return forward_times(model, _token_ids(context_tokens, vocab), (size,), repeats, head=head)[size]
 
 
 def _probe_t1(proxies: Mapping[int, Any], layers: int, context_tokens: int, role: str) -> float:
@@ -349,10 +363,13 @@ def measure_model(model, role: str = "target", *, sizes: Sequence[int] | None = 
     """The same measurement on a loaded model itself (``method="real"``; the fastest of ``rounds`` rounds): to
     validate the proxies, for formats whose cost depends on the weights (8-bit), or for any loaded model."""
     sizes = tuple(sizes or role_sizes(role))
-    best = _fastest([_timings(model, role, sizes, repeats, context_tokens, prefill_tokens, read_tokens)
-                     for _ in range(max(1, rounds))])
+    timed = [_timings(model, role, sizes, repeats, context_tokens, prefill_tokens, read_tokens)
+             for _ in range(max(1, rounds))]
+    drift = (timed[0].steps[min(sizes)], _retimed(model, role, min(sizes), repeats, context_tokens))
+    best = _fastest(timed)
     return FormatCost(model_format(model), best.steps, prefill_tokens if best.prefill is not None else 0,
-                      best.prefill, best.footprint, "real", context_tokens, best.reads)
+                      best.prefill, best.footprint, "real", context_tokens, best.reads,
+                      Samples({n: tuple(t.steps[n] for t in timed) for n in sizes}, drift))
 
 
 def _measure_real_8bit(weights: str | None, role: str, device: str, sizes, repeats: int, context_tokens: int,

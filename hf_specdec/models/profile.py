@@ -23,10 +23,11 @@ Nothing here measures or touches the disk (``ProfileKey.path`` only names the ca
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -192,6 +193,22 @@ def linear_parts(table: Mapping[int, float]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
+class Samples:
+    """What one measurement saw besides its table: ``rounds``, each size's t(n) in every round it was timed
+    (((n, (seconds, ...)), ...); the table keeps the fastest), and ``drift``, the first size timed at the start of
+    the measurement and once more at its end ((start, end) seconds of the same forward; None: not timed again)."""
+
+    rounds: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    drift: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rounds", tuple((int(n), tuple(float(s) for s in seconds))
+                                                 for n, seconds in sorted(dict(self.rounds).items())))
+        if self.drift is not None:
+            object.__setattr__(self, "drift", (float(self.drift[0]), float(self.drift[1])))
+
+
+@dataclass(frozen=True)
 class FormatCost:
     """What one format costs here.
 
@@ -202,7 +219,10 @@ class FormatCost:
     (t(1) alone, from a short timing of the proxies: the format was slower than one measured before it and was not
     measured further, ``measure.measure_format(slower_than=)``);
     ``prompt_read`` (a draft format): ((tokens, seconds), ...), its prefill over prompts of those lengths, warm
-    (() : not measured, as in cache files written before it was measured).
+    (() : not measured, as in cache files written before it was measured);
+    ``samples``: what the measurement saw besides its table (``Samples``: each round's t(n), the first size timed
+    again at the end), for ``check_cost``; None for numbers given or read from the cache. Not part of the value
+    (equality, ``to_dict``): it judges a measurement once, before it is cached.
     """
 
     format: str
@@ -213,6 +233,7 @@ class FormatCost:
     method: str = "given"
     context_tokens: int = CONTEXT_TOKENS
     prompt_read: tuple[tuple[int, float], ...] = ()
+    samples: "Samples | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", as_format(self.format))
@@ -269,13 +290,157 @@ class FormatCost:
             raise ValueError(f"not a format cost: {type(err).__name__}: {err}") from None
 
 
+# -- is a measurement self-consistent? ------------------------------------------------------------------------------
+class FlawKind(enum.StrEnum):
+    """What makes a measurement contradict itself (``Flaw.kind``)."""
+
+    NOT_MONOTONE = "not monotone"  # a forward over more tokens (n >= 2) measured cheaper than one over fewer
+    OVER_STEPS = "over n steps"  # a forward over n tokens measured dearer than n single steps
+    ROUNDS_DISAGREE = "rounds disagree"  # the two fastest rounds of one size far apart
+    LOAD_DRIFT = "load drift"  # the first size timed again at the end far from its start
+
+
+@dataclass(frozen=True)
+class Flaw:
+    """One way a measurement contradicts itself: its ``kind`` and the sentence that says where (``text``)."""
+
+    kind: FlawKind
+    text: str
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a measurement may stray from what forwards cost before it is judged wrong, as fractions.
+
+    ``shape``: t(m) may fall below t(n), 2 <= n < m, and t(n) may exceed n t(1), by this much (proxy tables
+    scale a layer's time by the layer count, so a few percent of noise in the two proxies' difference comes out
+    tens of percent in t(n)); ``rounds``: the two fastest rounds of one size may differ by this much; ``drift``:
+    the first size timed again at the end may differ from its start by this much, either way.
+
+    Set from what noise looks like: the Sapphire Rapids profile of docs/models.md, sound in use, has fp32 t(12) 25%
+    over t(24); on the 2-core AVX2 EPYC, the 0.5B draft's proxy rounds of t(1) came 13-38% apart and the 2-layer
+    proxy's t(1) re-timed within 15% while the machine was quiet, and 2-10x apart, drifting 40% to 3x, while
+    other jobs ran."""
+
+    shape: float = 0.35
+    rounds: float = 0.5
+    drift: float = 0.3
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """The verdict of ``check_cost``: the ``flaws`` found (none: the measurement may be kept)."""
+
+    flaws: tuple[Flaw, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.flaws
+
+    @property
+    def kinds(self) -> tuple[FlawKind, ...]:
+        return tuple(flaw.kind for flaw in self.flaws)
+
+    @property
+    def why(self) -> str:
+        """The flaws as one line ("" when there are none)."""
+        return "; ".join(flaw.text for flaw in self.flaws)
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3g} s"
+
+
+def _worst_drop(table: Mapping[int, float], name: str, smallest: int, tol: float) -> Flaw | None:
+    """The size whose time falls furthest below a smaller size's (from ``smallest`` up), beyond ``tol``."""
+    worst, highest = None, None
+    for n, seconds in sorted(table.items()):
+        if n < smallest:
+            continue
+        if highest is not None and seconds * (1 + tol) < highest[1]:
+            ratio = highest[1] / seconds
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, n, seconds, *highest)
+        if highest is None or seconds > highest[1]:
+            highest = (n, seconds)
+    if worst is None:
+        return None
+    _, n, seconds, m, above = worst
+    return Flaw(FlawKind.NOT_MONOTONE, f"{name}({n}) = {_s(seconds)} is below {name}({m}) = {_s(above)}")
+
+
+def check_cost(cost: FormatCost, tolerance: Tolerance = Tolerance()) -> Consistency:
+    """Does a measurement agree with itself? A forward over more tokens never costs less (sizes n >= 2: a
+    one-token forward runs matrix-vector products, which may cost more than a product over two rows), a forward
+    over n tokens never costs more than n single steps (t(n), the prefill over its prompt, a draft's prompt
+    read), and, where the measurement kept its ``Samples``, its rounds agree and the machine's load did not
+    change while it ran; each within ``tolerance``. A table that breaks them was timed while other work took the
+    CPU: it would price forwards the model never takes, and choose formats by the load of the moment.
+
+    >>> check_cost(FormatCost("fp32", {1: 2.49, 2: 11.0, 8: 14.6, 12: 9.63})).why  # timed under load
+    't(12) = 9.63 s is below t(8) = 14.6 s; t(2) = 11 s is over 2 single steps (4.98 s)'
+    >>> check_cost(FormatCost("bf16", {1: 0.119, 32: 2.85}, 256, 124.5)).kinds
+    (<FlawKind.OVER_STEPS: 'over n steps'>,)
+    >>> check_cost(FormatCost("fp32", {1: 0.26, 2: 0.25, 8: 0.78, 16: 0.74}, 256, 21.5)).ok  # within noise
+    True
+    >>> timed = Samples(rounds={1: (0.26, 0.27), 8: (0.78, 1.9)}, drift=(0.26, 0.52))
+    >>> print(check_cost(FormatCost("fp32", {1: 0.26, 8: 0.78}, samples=timed)).why)
+    the two fastest rounds of t(8) disagree (0.78 s and 1.9 s); t(1) was 0.26 s at the start and 0.52 s at the end
+    """
+    t1, tol, flaws = cost.t1, tolerance.shape, []
+    drop = _worst_drop(cost.table, "t", 2, tol)
+    if drop is not None:
+        flaws.append(drop)
+    over = [(seconds / (n * t1), n, seconds) for n, seconds in cost.step if seconds > n * t1 * (1 + tol)]
+    if over:
+        _, n, seconds = max(over)
+        flaws.append(Flaw(FlawKind.OVER_STEPS, f"t({n}) = {_s(seconds)} is over {n} single steps ({_s(n * t1)})"))
+    tokens = cost.prefill_tokens
+    if cost.prefill_s is not None and cost.prefill_s > tokens * t1 * (1 + tol):
+        flaws.append(Flaw(FlawKind.OVER_STEPS, f"the prefill over {tokens} tokens ({_s(cost.prefill_s)}) is over "
+                                               f"{tokens} single steps ({_s(tokens * t1)})"))
+    reads = cost.read_table
+    drop = _worst_drop(reads, "read", 1, tol)
+    if drop is not None:
+        flaws.append(drop)
+    over = [(seconds / (n * t1), n, seconds) for n, seconds in reads.items() if seconds > n * t1 * (1 + tol)]
+    if over:
+        _, n, seconds = max(over)
+        flaws.append(Flaw(FlawKind.OVER_STEPS, f"the prompt read over {n} tokens ({_s(seconds)}) is over {n} "
+                                               f"single steps ({_s(n * t1)})"))
+    if cost.samples is not None:
+        flaws += _sample_flaws(cost.samples, tolerance)
+    return Consistency(tuple(flaws))
+
+
+def _sample_flaws(samples: Samples, tolerance: Tolerance) -> list[Flaw]:
+    """The rounds that disagree (the worst size) and a load that drifted, as flaws."""
+    flaws, spread = [], []
+    for n, seconds in samples.rounds:
+        if len(seconds) >= 2:
+            low, high = sorted(seconds)[:2]
+            if high > low * (1 + tolerance.rounds):
+                spread.append((high / low, n, low, high))
+    if spread:
+        _, n, low, high = max(spread)
+        flaws.append(Flaw(FlawKind.ROUNDS_DISAGREE, f"the two fastest rounds of t({n}) disagree ({_s(low)} and "
+                                                    f"{_s(high)})"))
+    if samples.drift is not None:
+        start, end = samples.drift
+        if not start / (1 + tolerance.drift) <= end <= start * (1 + tolerance.drift):
+            first = samples.rounds[0][0] if samples.rounds else 1
+            flaws.append(Flaw(FlawKind.LOAD_DRIFT, f"t({first}) was {_s(start)} at the start and {_s(end)} at the "
+                                                   "end"))
+    return flaws
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """Measured costs of a target (per dtype) and a draft (per format) on one device.
 
     ``target`` / ``draft``: one ``FormatCost`` per measured format; ``target_model`` / ``draft_model``: the
     fingerprints they were measured for (None: given numbers, any model); ``notes``: formats that could not be
-    measured and why.
+    measured, or were measured but not cached (``store``: not self-consistent), and why.
     """
 
     device: DeviceIdentity
@@ -432,7 +597,7 @@ class HardwareProfile:
                 lines += [f"    {e.format}: {fixed * 1e3:.1f} ms + {per * 1e3:.3f} ms/token"
                           for e in reads for fixed, per in [linear_parts(e.read_table)]]
         for note in self.notes:
-            lines.append(f"  not measured: {note}")
+            lines.append(f"  {note}")
         return "\n".join(lines)
 
 

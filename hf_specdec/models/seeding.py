@@ -14,21 +14,41 @@ its priors, and the returned ``memory.Seeding`` says why.
 
 ``speculative_generate`` / ``lookahead_generate`` call ``call_start_speculative`` / ``call_start_lookahead``:
 seed a memory on its first call, then hand the call its ``Seeding`` (what its ``SpecStats`` show).
+
+A seeded call then checks the profile against what it timed (``call_end``): where its forwards of one size took
+over ``STALE_FACTOR`` times, or under 1 / ``STALE_FACTOR`` of, what the cached entry predicts (``disagreement``,
+over ``STALE_SAMPLES`` forwards at least), the entry is marked stale (``store.mark_stale``) and the next
+``get_profile`` measures it again: a profile measured while the machine was busy (or since moved to other
+hardware under the same key) is not trusted forever.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
+import torch
+
+from ..costmodel import ForwardCost
 from ..drafters.base import DraftSource
 from ..drafters.source import draft_source
 from ..memory import EstimatesFrom, LookaheadMemory, Seeding, SpeculativeMemory
 from .formats import model_format
-from .profile import HardwareProfile
-from .store import cached_profile
+from .hardware import resolve_device
+from .profile import DeviceIdentity, HardwareProfile, ProfileKey, model_fingerprint
+from .refs import config_of
+from .store import cached_profile, mark_stale
+
+logger = logging.getLogger(__name__)
 
 PROFILE_HINT = "hf-specdec tune, or load with dtype/quantize 'auto', measures it once"
 CACHED, GIVEN = "the cached hardware profile", "the given hardware profile"
+
+STALE_FACTOR = 2.0  # a call's median forward this many times the profile's, or under 1 / this: the entry is stale
+STALE_SAMPLES = 5  # forwards of one size a call must have timed before their median is compared
 
 # what reading a profile for loaded models can raise: a cache that cannot be read, a model whose format or config
 # no profile knows; a seeding that meets one runs on priors and says so
@@ -140,3 +160,72 @@ def call_start_lookahead(memory: LookaheadMemory | None, target) -> Seeding:
     if memory.origin is None:
         seed_lookahead(memory, target)
     return memory.start_call()
+
+
+# -- a call's timings against the profile it was seeded from -------------------------------------------------------
+@dataclass(frozen=True)
+class Disagreement:
+    """Where a call's timed forwards disagree with a profile: the size ``n``, the profile's ``predicted``
+    seconds, the median of the call's ``samples`` forwards of that size (``timed``) and their ratio."""
+
+    n: int
+    predicted: float
+    timed: float
+    samples: int
+
+    @property
+    def ratio(self) -> float:
+        return self.timed / self.predicted
+
+    @property
+    def why(self) -> str:
+        return (f"t({self.n}): the profile predicts {self.predicted:.3g} s, {self.samples} forwards of a call took "
+                f"{self.timed:.3g} s (median), {self.ratio:.2g}x")
+
+
+def disagreement(seeded: Mapping[int, float], timed: Mapping[int, Sequence[float]], *,
+                 factor: float = STALE_FACTOR, samples: int = STALE_SAMPLES) -> Disagreement | None:
+    """The size where a call's forwards (``timed``: seconds by forward size, as ``SpecStats.verify_time_by_tokens``
+    holds them) disagree most with the profile's t(n) ``seeded``, when their median is over ``factor`` times the
+    prediction or under 1 / ``factor`` of it; None when they agree. Only sizes with ``samples`` forwards or more,
+    within the sizes the profile measured, are judged (a median over a few forwards outlasts a cold start or a
+    stray slow one; a profile off by a third in level, as proxies and other cache lengths are, agrees).
+
+    >>> profile = {1: 2.49, 2: 11.0, 8: 14.6}  # measured under load
+    >>> print(disagreement(profile, {1: [0.31, 0.30, 0.29, 0.30, 0.33], 4: [0.5, 0.6]}).why)
+    t(1): the profile predicts 2.49 s, 5 forwards of a call took 0.3 s (median), 0.12x
+    >>> disagreement({1: 0.26, 8: 0.78}, {1: [0.31] * 6, 4: [0.6] * 5}) is None  # within a factor of 2
+    True
+    """
+    curve, sizes = ForwardCost.from_table(seeded), sorted(seeded)
+    found = []
+    for n, seconds in timed.items():
+        if len(seconds) < samples or not sizes[0] <= n <= sizes[-1]:
+            continue
+        predicted, median = curve.estimate(n), statistics.median(seconds)
+        if predicted and median > 0 and not predicted / factor <= median <= predicted * factor:
+            found.append(Disagreement(int(n), predicted, median, len(seconds)))
+    return max(found, key=lambda d: abs(math.log(d.ratio)), default=None)
+
+
+def call_end(target, origin: Seeding, timed: Mapping[int, Sequence[float]], rows: int = 1, *,
+             cache_dir=None) -> Disagreement | None:
+    """After a call on a memory seeded from the cached profile (``origin``: what its first call read): the cached
+    t(n) entry of ``target`` in its format is marked stale (``store.mark_stale``) when the call's own forwards
+    (``timed``, one row: a batch's forwards are not the profile's) disagree with it (``disagreement``). Returns
+    the disagreement (None: nothing to judge, or agreement). Never raises: a cache that cannot be read or written
+    is a warning."""
+    if rows != 1 or not origin.seeded or origin.source != CACHED or not origin.forward_seconds:
+        return None
+    found = disagreement(origin.forward_seconds, timed)
+    if found is None:
+        return None
+    try:
+        identity = DeviceIdentity.here(resolve_device(str(next(target.parameters()).device)))
+        key = ProfileKey("target", origin.target_format, model_fingerprint(config_of(target)[0]), identity,
+                         torch.__version__)
+        mark_stale(key, origin.forward_seconds, found.why, cache_dir)
+    except _PROFILE_ERRORS as err:
+        logger.warning("the hardware profile entry that a call disagreed with (%s) could not be marked stale "
+                       "(%s: %s)", found.why, type(err).__name__, err)
+    return found

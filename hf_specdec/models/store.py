@@ -9,6 +9,13 @@ A cache is a speed hint, never a reason to fail: an entry that cannot be read (n
 the wrong type) is measured again with a logged warning, and a cache that cannot be written keeps the measured
 profile in memory with a warning, leaving no temporary file behind. Entries are written to a temporary name and
 renamed: never half a file.
+
+A cache is trusted only while it agrees with itself and with what calls time. A measurement is cached only when
+it is self-consistent (``profile.check_cost``: t(n) nondecreasing, no forward dearer than as many single steps,
+rounds that agree, no load drift while it ran); one that is not is measured once more (``REMEASURE``) and, when
+it still is not, used for this process only, with a note and a warning. A cached entry that contradicts itself
+is measured again, as a damaged one is; and an entry a call's timed forwards disagree with (``models.seeding``)
+is marked stale (``mark_stale``): the next ``get_profile`` measures it again.
 """
 
 from __future__ import annotations
@@ -19,14 +26,15 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from . import measure
 from .formats import TARGET_FORMATS, FormatUnavailable, as_format, candidate_formats, model_format
 from .hardware import resolve_device
-from .profile import DeviceIdentity, FormatCost, HardwareProfile, ProfileKey, model_fingerprint
+from .profile import (Consistency, DeviceIdentity, FormatCost, HardwareProfile, ProfileKey, check_cost,
+                      model_fingerprint)
 from .refs import config_of
 
 logger = logging.getLogger(__name__)
@@ -36,6 +44,8 @@ Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights, 
 # first steps take over SLOWER_MARGIN times its t(1) is left at that probe (the chooser takes the fastest within
 # 5%; the margin keeps a probe that another process slowed from ruling a format out).
 SLOWER_MARGIN = 2.0
+REMEASURE = 1  # a measurement that contradicts itself (``check_cost``) is measured this many more times at most
+STALE = "stale"  # an entry's field, set by ``mark_stale``: why calls disagreed with it (read as absent)
 
 
 def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
@@ -53,19 +63,53 @@ def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
     if not isinstance(data, dict) or data.get("key") != key.to_dict():
         return None
     try:
-        return FormatCost.from_dict(data.get("cost"))
+        cost = FormatCost.from_dict(data.get("cost"))
     except ValueError as err:
         logger.warning("hardware profile cache entry %s is damaged (%s); measuring it again", path, err)
         return None
+    if data.get(STALE):
+        logger.info("hardware profile cache entry %s is stale (%s); measuring it again", path, data[STALE])
+        return None
+    verdict = check_cost(cost)
+    if not verdict.ok:
+        logger.warning("hardware profile cache entry %s contradicts itself (%s); measuring it again", path,
+                       verdict.why)
+        return None
+    return cost
 
 
 def write_entry(key: ProfileKey, cost: FormatCost, cache_dir=None, seconds: float | None = None) -> Path:
     """Store one measurement (written to a temporary name, then renamed: never half a file, and no temporary
     file left when writing fails). Raises OSError when the cache cannot be written."""
-    path = key.path(cache_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {"key": key.to_dict(), "cost": cost.to_dict(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "measure_seconds": seconds}
+    return _write_json(key.path(cache_dir), data)
+
+
+def mark_stale(key: ProfileKey, table: Mapping[int, float], why: str, cache_dir=None) -> bool:
+    """Mark the cached entry of ``key`` stale (``why``: how calls disagreed with it) while it still holds the t(n)
+    ``table`` that was judged (an entry measured again since is left alone): the next ``read_entry`` reads it as
+    absent and ``get_profile`` measures it again. True when it was marked; raises OSError when the cache cannot
+    be written."""
+    path = key.path(cache_dir)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        cost = FormatCost.from_dict(data["cost"]) if isinstance(data, dict) else None
+    except FileNotFoundError:
+        return False
+    except (KeyError, ValueError):  # a damaged entry: measured again anyway
+        return False
+    if cost is None or data.get("key") != key.to_dict() or data.get(STALE) or cost.table != dict(table):
+        return False
+    _write_json(path, {**data, STALE: why})
+    logger.warning("hardware profile cache entry %s disagrees with what a call timed (%s); it is measured again on "
+                   "the next get_profile", path, why)
+    return True
+
+
+def _write_json(path: Path, data: dict) -> Path:
+    """Write ``data`` to ``path`` through a temporary name in its folder (never half a file, none left behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
@@ -98,7 +142,9 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
     left out with a note. A draft format whose first steps are over ``SLOWER_MARGIN`` times the fastest draft
     format's t(1) so far is kept at that probe (``FormatCost.method == "probe"``): it cannot be chosen, and
     measuring it in full could take minutes (``measure.measure_format(slower_than=)``). A damaged cache entry is
-    measured again and a cache that cannot be written is warned about: neither raises.
+    measured again and a cache that cannot be written is warned about: neither raises. A measurement is cached
+    only when it is self-consistent (``check_cost``; measured up to ``REMEASURE`` more times, else used here and
+    noted), and a cached one that is not, or that is stale (``mark_stale``), is measured again.
     """
     device = resolve_device(device)
     measurer = measurer or measure.measure_format
@@ -121,15 +167,37 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
                 fastest = min((e.t1 for e in entries[role]), default=None)
                 bound = {"slower_than": SLOWER_MARGIN * fastest} if role == "draft" and fastest else {}
                 try:
-                    cost = measurer(config, role, fmt, device, weights, **bound)
+                    cost, verdict = _consistent(lambda: measurer(config, role, fmt, device, weights, **bound),
+                                                f"the {role} in {fmt}", log)
                 except FormatUnavailable as err:
-                    notes.append(f"{role} {fmt}: {err}")
+                    notes.append(f"{role} {fmt} not measured: {err}")
                     continue
-                _stored(key, cost, cache_dir, time.perf_counter() - start)
+                if verdict.ok:
+                    _stored(key, cost, cache_dir, time.perf_counter() - start)
+                else:
+                    notes.append(f"{role} {fmt} measured but not cached (timed {1 + REMEASURE} times, never "
+                                 f"self-consistent: {verdict.why}); measured again in the next process")
+                    logger.warning("hardware profile: the %s in %s did not measure self-consistently (%s); using it "
+                                   "for this process only, not caching it", role, fmt, verdict.why)
             if cost is not None:
                 entries[role].append(cost)
     return HardwareProfile(identity, torch.__version__, tuple(entries["target"]), tuple(entries["draft"]),
                            fingerprints["target"], fingerprints["draft"], tuple(notes))
+
+
+def _consistent(timed: Callable[[], FormatCost], what: str, log: Callable[[str], None]
+                ) -> tuple[FormatCost, Consistency]:
+    """A measurement of ``what`` (``timed()``) and its verdict (``check_cost``): measured again, up to
+    ``REMEASURE`` more times, while it contradicts itself (the machine was busy: another try may find it quiet);
+    the last one when none agrees."""
+    for attempt in range(1 + REMEASURE):
+        cost = timed()
+        verdict = check_cost(cost)
+        if verdict.ok:
+            break
+        if attempt < REMEASURE:
+            log(f"{what} measured inconsistently ({verdict.why}); measuring it again")
+    return cost, verdict
 
 
 def cached_profile(target, draft=None, *, cache_dir=None) -> HardwareProfile:
