@@ -37,7 +37,7 @@ from .inputs import NO_INPUTS, PER_TOKEN, SUPPLIED, CallerPrompt, ModelInputs
 from .loop import DecodeInputs, decode
 from .memory import LookaheadMemory, Seeding, SpeculativeMemory
 from .models.packed import reordered_only_values
-from .models.seeding import call_start_lookahead, call_start_speculative
+from .models.seeding import call_end, call_start_lookahead, call_start_speculative
 from .policy import make_policy
 from .stats import SpecStats, stats_holder
 from .support import Unsupported, check_cache_implementation, check_own_generate, check_supported, tree_refusal
@@ -421,6 +421,7 @@ def _run(model, inputs, drafter, policy, streamer, generation_config, mode, orig
     stats = SpecStats(mode=mode, rows=int(inputs.input_ids.shape[0]), estimates_from=origin.kind,
                       estimates_why=origin.why)
     decoded = decode(inputs, drafter, policy, stats, streamer=streamer)
+    call_end(model, origin, stats.verify_time_by_tokens, stats.rows)  # a cached profile it contradicts: stale
     stats_holder(model).set(stats)
     if not generation_config.return_dict_in_generate:
         return decoded.sequences
