@@ -374,6 +374,65 @@ class Continue(enum.Enum):
     # draft model drafting a chain step by step does
 
 
+_UNSET = object()  # a lazily made attribute not made yet
+
+
+class _Ranges:
+    """0, 1, 2, ... on the host and on a device, grown by doubling: slices of them are a fast-lane forward's
+    slots and positions, views made without an allocation. Shared by one store: callers must not modify them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device, self._host, self._on_device = device, torch.arange(64), torch.arange(64, device=device)
+
+    def host(self, n: int) -> torch.LongTensor:
+        """[>= n] on the host."""
+        if self._host.shape[0] < n:
+            self._host = torch.arange(max(n, 2 * self._host.shape[0]))
+        return self._host
+
+    def device(self, n: int) -> torch.LongTensor:
+        """[>= n] on the store's device."""
+        if self._on_device.shape[0] < n:
+            self._on_device = torch.arange(max(n, 2 * self._on_device.shape[0]), device=self._device)
+        return self._on_device
+
+
+@dataclass(frozen=True)
+class _LaneCall:
+    """A fast-lane forward that asks for logits alone, run as ``call_model`` would run it with nothing else asked
+    (``plain_head``'s bypass, or the store's own head) but with what ``call_model`` decides per call decided once
+    per store: the base model, the output layer, the cache's keyword. Only where nothing else goes into the
+    forward: no model inputs besides tokens, positions that are text positions, a decoder-only model, layers
+    with nothing to record before a forward (every ``chain_lane`` backend)."""
+
+    base: torch.nn.Module
+    head: Callable[[torch.Tensor], torch.Tensor]
+    cache_keyword: str
+
+    @classmethod
+    def of(cls, store: "KVStore") -> "_LaneCall | None":
+        """The store's lane call, or None where ``call_model`` must run each forward."""
+        head = store.head if store.head is not None else plain_head(store.model)
+        if (head is None or is_encoder_decoder(store.model) or store.inputs.offsets is not None
+                or store.inputs.step(1)):
+            return None
+        base = getattr(store.model, store.model.base_model_prefix)
+        params = _forward_params(type(base))
+        if "position_ids" not in params or not {"cache", "past_key_values"} & params:
+            return None
+        return cls(base, head, "cache" if "cache" in params else "past_key_values")
+
+    def __call__(self, input_ids: torch.LongTensor, cache: Cache, position_ids: torch.LongTensor,
+                 logits_at: int | None) -> torch.Tensor:
+        """Float logits [1, m, V] at the last ``logits_at`` inputs (None: every input)."""
+        if self.cache_keyword == "cache":
+            output = self.base(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        else:
+            output = self.base(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        states = output.last_hidden_state
+        return self.head(states if logits_at is None else states[:, -logits_at:]).float()
+
+
 class KVStore:
     """The cache of B rows that advance at their own pace, addressed by slots (see the module docstring).
 
@@ -401,11 +460,9 @@ class KVStore:
     ...                    torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool))
     >>> store.forward(trie).slots.tolist()
     [[3, 4, 5]]
-    >>> store.keep([[3, 5]])  # 8 -> 10: slot 4 becomes a hole, masked from now on
-    >>> store.lengths.tolist(), store.valid.tolist(), store.gathers
-    ([5], [[True, True, True, True, False, True]], 0)
-    >>> store.compaction_due(), store.compact(), store.dense, store.width, store.gathers  # 1 hole of 6 cells
-    (False, 1, True, 5, 1)
+    >>> store.keep([[3, 5]])  # 8 -> 10: one row gathers 10 next to 8 (in a batch, slot 4 would stay a masked hole)
+    >>> store.lengths.tolist(), store.valid, store.width, store.gathers
+    ([5], None, 5, 1)
     """
 
     COMPACT_FRACTION = 0.5  # compact when more than this fraction of the kept columns are holes
@@ -450,7 +507,8 @@ class KVStore:
         # the fast lane (class docstring): inputs written in it since the last keep, the position of the first, and,
         # per n, the device's positions 0..n-1 [1, n]
         self._lane_written, self._lane_start, self._lane_ready = 0, 0, None
-        self._device_aranges: dict[int, torch.Tensor] = {}
+        self._ranges = _Ranges(next(model.parameters()).device)  # positions and slots, as views
+        self._lane_call: _LaneCall | None | object = _UNSET  # made at the first lane forward (``_LaneCall.of``)
         self.lane_forwards = self.lane_keeps = 0  # forwards and keeps that took the fast lane
         self._positions = torch.zeros(0, 0, dtype=torch.long)
         self._sees = torch.zeros(0, 0, 0, dtype=torch.bool)
@@ -532,20 +590,28 @@ class KVStore:
     def _lane_forward(self, batch: BatchInputs, logits_at: LogitsAt, hidden: bool, record: Recording,
                       call: Callable | None) -> ForwardResult:
         """``forward`` in the fast lane: the inputs at the positions after the last written (or kept) one, the
-        model's own causal mask (the general path's dense case), no slot table."""
+        model's own causal mask (the general path's dense case), no slot table. Logits alone, from a model whose
+        forward is its base model and an output layer, take ``_LaneCall``; the rest ``call_model``."""
         n = batch.input_ids.shape[1]
         past = self.width + self._lane_written
         if not self._lane_written:
             self._lane_start = int(self.lengths[0]) + int(self._offset[0])  # (host tensors)
         start = self._lane_start + self._lane_written
         self._span(past + n)  # a static cache's buffers grown first where the forward does not fit them
-        aranges = self._device_aranges.get(n)
-        if aranges is None:
-            aranges = self._device_aranges[n] = _arange(n)[None].to(self.device)
-        result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
-                            position_ids=self.inputs.positions(aranges + start).to(self.device), hidden=hidden,
-                            head=self.head, record=record, model_inputs=self.inputs.step(n), call=call,
-                            slots=_arange(n)[None] + past)
+        slots = self._ranges.host(past + n)[None, past: past + n]  # [1, n], a view: nobody writes into slots
+        if self._lane_call is _UNSET:
+            self._lane_call = _LaneCall.of(self)
+        if (self._lane_call is not None and call is None and not hidden and not record
+                and not isinstance(logits_at, torch.Tensor)):
+            positions = self._ranges.device(start + n)[None, start: start + n]  # [1, n]: text positions are the model's
+            logits = self._lane_call(batch.input_ids.to(self.device), self.cache, positions, logits_at)
+            result = ForwardResult(logits, slots=slots)
+        else:
+            positions = self._ranges.device(start + n)[None, start: start + n]
+            result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
+                                position_ids=self.inputs.positions(positions).to(self.device), hidden=hidden,
+                                head=self.head, record=record, model_inputs=self.inputs.step(n), call=call,
+                                slots=slots)
         self._lane_written += n
         self.lane_forwards += 1
         return result
@@ -845,9 +911,11 @@ class KVStore:
         """Row r keeps the slots ``kept[r]`` of those written since the last keep: a path at its next positions,
         in order (an empty list keeps nothing); every other written slot is forgotten.
 
-        A prefix of what was written in every row is a crop (a dense row stays dense); other paths leave holes
-        that the mask hides, gathered together right away where holes cannot be masked
-        (``holes_maskable``) and otherwise by ``compact`` when they pass ``COMPACT_FRACTION`` of the columns.
+        A prefix of what was written in every row is a crop (a dense row stays dense); other paths are gathered
+        together right away where holes cannot be masked (``holes_maskable``) and in a store of one row (a copy of
+        at most the written columns keeps the row dense: holes would put a mask in every later forward of the call
+        and keep it out of the fast lane); in a batch they leave holes that the mask hides, gathered by
+        ``compact`` when they pass ``COMPACT_FRACTION`` of the columns.
         """
         assert len(kept) == self.num_rows, "one list of slots per row"
         if self._lane_keep(kept):
@@ -865,7 +933,7 @@ class KVStore:
         expected = self.next_positions()[:, None] + torch.arange(w)[None, :]
         assert bool(((path_positions == expected) | ~taken).all()), "keep: each row's next positions, in order"
         prefix = bool(((index == torch.arange(w)[None, :]) | ~taken).all())
-        if prefix or not self.holes_maskable():
+        if prefix or self.num_rows == 1 or not self.holes_maskable():
             if not prefix:  # gather each row's path to the start of the written block
                 gather = torch.where(taken, index, index[:, :1])[:, :m]  # [B, m]
                 for layer, backend in zip(self.layers, self.backends):

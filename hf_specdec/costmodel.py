@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .round import RoundOutcome, SourceKind, TreeShape
+from .round import RoundKind, RoundOutcome, SourceKind, TreeShape
 
 
 class Ema:
@@ -267,7 +267,12 @@ class RoundCost:
     n to its bucket; None: n itself); ``may_lose``: the planner's decision whether a round may lose so many
     seconds against this price (``Regret.allows``: the regret allowance is the planner's, not the price's; None:
     nothing, so the measured curve prices a size only where it costs no less than the seed); ``read``: seconds of
-    the draft's prompt read a round pays before drafting (0 once read).
+    the draft's prompt read a round pays before drafting (0 once read); ``host``: seconds of a round's host work
+    by its kind (``round.RoundKind``: its plan, layout, keep and learning, measured by the loop,
+    ``RoundOutcome.host_time``), which every round's price holds (None: 0, nothing measured). Where a forward
+    costs a few milliseconds (a GPU, a tiny model) a tree's search, masks and gathers can cost more than the
+    tokens it adds; where it costs a tenth of a second they are noise. A price serves one round's decisions: it
+    remembers each forward size it was asked for, so it is made again (``Planner.price``) once the estimates learn.
 
     >>> cost = ForwardCost.from_table({1: 0.10, 4: 0.20, 8: 0.30, 16: 0.34}, prior=True)  # a profile's seeds
     >>> cost.observe(1, 0.10); cost.observe(4, 0.11)  # measured here: t(4) is one step, not two
@@ -283,6 +288,9 @@ class RoundCost:
     0.67
     >>> RoundCost(cost, width=lambda n: 8 if n > 4 else 4)(5)  # a compiled verify runs 5 inputs in the 8 bucket
     0.2325
+    >>> hosted = RoundCost(cost, t_draft=0.02, host={RoundKind.PLAIN: 0.001, RoundKind.CHAIN: 0.002}.get)
+    >>> hosted.step(), hosted.round(3)  # each round's host work on top of its forwards
+    (0.101, 0.172)
     """
 
     cost: "ForwardCost"
@@ -293,6 +301,14 @@ class RoundCost:
     width: Callable[[int], int] | None = None
     may_lose: Callable[[float], bool] | None = None
     read: float = 0.0
+    host: Callable[[RoundKind], float | None] | None = None
+    # t(n) by (width, bound) and draft forwards by width, filled as the round's decisions ask: a price lives for one
+    # round's decisions, over estimates that change only after the round (~100 sizes a round, ~30 of them distinct)
+    _seen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def host_seconds(self, kind: RoundKind) -> float:
+        """Seconds of the host work of a round of this kind (0 while unmeasured)."""
+        return (self.host(kind) or 0.0) if self.host is not None else 0.0
 
     def __call__(self, n: int, bound: Bound = Bound.EXPECTED, holes: int = 0) -> float | None:
         """Seconds of the target's verify forward over n inputs per row (at the width it runs) that leaves
@@ -307,6 +323,12 @@ class RoundCost:
         return t if t is None or not holes else round(t + self.rows * holes * self.hole, 12)
 
     def _forward(self, n: int, bound: Bound) -> float | None:
+        key = (n, bound)
+        if key not in self._seen:
+            self._seen[key] = self._estimate(n, bound)
+        return self._seen[key]
+
+    def _estimate(self, n: int, bound: Bound) -> float | None:
         total, batch = self.rows * n, self.rows > 1
         if bound is Bound.WORST:
             return self.cost.estimate(total, extrapolate=True)
@@ -319,17 +341,20 @@ class RoundCost:
         return optimistic if (gap <= 0.0 if self.may_lose is None else self.may_lose(gap)) else t
 
     def step(self) -> float | None:
-        """A plain step of these rows: the reference every other size is compared to."""
-        return self(1)
+        """A plain step of these rows, its host work included: the reference every other size is compared to."""
+        t = self(1)
+        return t if t is None or self.host is None else round(t + self.host_seconds(RoundKind.PLAIN), 12)
 
     def round(self, k: int, extra: int = 0, bound: Bound = Bound.EXPECTED, with_read: bool = False) -> float | None:
         """T(k): k draft steps and a forward over the last token, the k drafted and ``extra`` more inputs (a
         lookup tail; -1: a round at the end of a sequence verifies no bonus position), with the draft's prompt
-        read first when ``with_read``; None while either is unmeasured."""
+        read first when ``with_read``, and the host work of its kind (a chain's; k = 0: a plain step's); None
+        while either is unmeasured."""
         t = self(k + 1 + extra, bound)
         if t is None or (k > 0 and self.t_draft is None):
             return None
-        return round(k * (self.t_draft or 0.0) + t + (self.read if with_read else 0.0), 12)
+        host = self.host_seconds(RoundKind.CHAIN if k > 0 else RoundKind.PLAIN)
+        return round(k * (self.t_draft or 0.0) + t + (self.read if with_read else 0.0) + host, 12)
 
     def more(self, k: int) -> float | None:
         """What one more draft token adds to a chain of k: a draft step and the verify forward's growth (never
@@ -343,7 +368,12 @@ class RoundCost:
         """Seconds of one draft forward over ``width`` inputs per row: ``t_draft`` at one, else ``draft``."""
         if width == 1:
             return self.t_draft
-        return None if self.draft is None else self.draft(self.rows * width)
+        if self.draft is None:
+            return None
+        key = ("draft", width)
+        if key not in self._seen:
+            self._seen[key] = self.draft(self.rows * width)
+        return self._seen[key]
 
     def tree(self, shape: TreeShape, bound: Bound = Bound.WORST) -> float | None:
         """T of a round growing ``shape``: a draft forward per depth over the nodes it reads,
@@ -358,7 +388,7 @@ class RoundCost:
         verify = self(1 + shape.num_nodes, bound, holes=shape.num_nodes - shape.depth)
         if verify is None:
             return None
-        total = verify
+        total = verify + self.host_seconds(RoundKind.TREE)
         for width in shape.expanded:
             seconds = self.draft_forward(width)
             if seconds is None:
@@ -369,7 +399,8 @@ class RoundCost:
     def trie(self, nodes: int, deepest: int, bound: Bound = Bound.EXPECTED) -> float | None:
         """T of a round verifying a trie of ready-made candidates (no draft forward): ``nodes`` per row, the
         ones off its ``deepest`` candidate left as holes."""
-        return self(1 + nodes, bound, holes=max(0, nodes - deepest))
+        t = self(1 + nodes, bound, holes=max(0, nodes - deepest))
+        return t if t is None or self.host is None else round(t + self.host_seconds(RoundKind.TRIE), 12)
 
     def saved(self, k: int, tokens: float, remaining: int) -> float | None:
         """Seconds rounds of k draft tokens emitting ``tokens`` each save over ``remaining`` tokens against plain
@@ -381,10 +412,10 @@ class RoundCost:
     @staticmethod
     def spent(outcomes: Sequence[RoundOutcome]) -> float:
         """Seconds a finished round took (its outcome per row): the target's forward and
-        verification, the compaction after it, every row's draft work and set-up."""
+        verification, the compaction after it, every row's draft work and set-up, and the round's host work."""
         first = outcomes[0]
-        return first.verify_time + first.compact_time + sum(o.proposal.draft_time + o.proposal.setup_time
-                                                            for o in outcomes)
+        return first.verify_time + first.compact_time + first.host_time + sum(
+            o.proposal.draft_time + o.proposal.setup_time for o in outcomes)
 
 
 class ReadCost:
@@ -722,7 +753,8 @@ class Estimates:
     ``acceptance``: one ``DecayedAcceptance`` per source of guesses, keyed ``(kind, variant)`` (see
     ``round.SourceKind``), created with its prior the first time a policy asks for it; ``calibration``: the draft
     model's acceptance per bin of its own confidence; ``emas``: other running averages a policy keeps by name
-    (lookahead: tokens per round, what its pool adds). One per call, or carried across calls.
+    (lookahead: tokens per round, what its pool adds); ``host``: seconds of a round's host work per
+    ``RoundKind`` (``RoundOutcome.host_time``). One per call, or carried across calls.
     """
 
     forward: ForwardCost = field(default_factory=ForwardCost)
@@ -733,6 +765,20 @@ class Estimates:
     acceptance: dict[tuple[SourceKind, int], DecayedAcceptance] = field(default_factory=dict)
     calibration: DecayedAcceptance | None = None
     emas: dict[str, Ema] = field(default_factory=dict)
+    host: dict[RoundKind, Ema] = field(default_factory=lambda: {kind: Ema() for kind in RoundKind})
+
+    def host_seconds(self, kind: RoundKind) -> float | None:
+        """The host work of a round of this kind, as measured; before its first, that of the kind it does the work
+        of (``RoundKind.within``: a tree not grown yet costs at least a chain's); None before any.
+
+        >>> estimates = Estimates()
+        >>> estimates.host[RoundKind.CHAIN].update(0.002)
+        >>> estimates.host_seconds(RoundKind.TREE), estimates.host_seconds(RoundKind.TRIE)
+        (0.002, None)
+        """
+        while kind is not None and self.host[kind].value is None:
+            kind = kind.within
+        return None if kind is None else self.host[kind].value
 
     def source(self, key: tuple[SourceKind, int], prior: float, weight: float = 2.0, decay: float = 1.0,
                slots: int = 32) -> DecayedAcceptance:

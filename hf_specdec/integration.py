@@ -26,7 +26,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 
 from . import cache as kv
 from .compiled import verifier_for
-from .config import LookaheadConfig, SpecConfig, TreeMode, auto_draft_vocab_size
+from .config import LookaheadConfig, PolicyKind, SpecConfig, TreeMode, auto_draft_vocab_size
 from .costmodel import Estimates
 from .drafters.base import DraftCall, DraftKind, DraftSource
 from .drafters.early_exit import EarlyExit
@@ -98,9 +98,10 @@ def speculative_generate(
                       spec_streamer)
     origin = call_start_speculative(speculative_memory, model, source)  # seeds a memory's first call
     estimates = speculative_memory.estimates(source.memory_key) if speculative_memory is not None else Estimates()
+    lookup = config.history_lookup and config.policy == PolicyKind.ADAPTIVE  # fixed and heuristic k never read it
     call = DraftCall(model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
                      special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id,
-                     history_lookup=config.history_lookup, batch=rows)
+                     history_lookup=lookup, batch=rows)
     if draft is not None:
         _check_same_family(model, draft)  # verified over the target's whole vocabulary, never cut to the draft's
         if estimates.draft_read.prior is None:

@@ -14,8 +14,9 @@
                    slots written in step 4 (a crop for a chain; other paths leave masked holes; once holes
                    pass a share of the columns, the cache compacts them: a step timed apart from the forward)
       7. emit      each row's tokens are cut at its first stop, streamed (one row) and appended
-      8. learn     one ``RoundOutcome`` per row (with the plan it followed) to ``stats.record``,
-                   ``policy.observe`` and ``drafter.update``;
+      8. learn     one ``RoundOutcome`` per row (with the plan it followed and the round's host time: the loop's
+                   seconds outside the timed verify and drafting, the learning of the round before included) to
+                   ``stats.record``, ``policy.observe`` and ``drafter.update``;
                    rows that stopped leave the batch
 
 The invariant between rounds: each row's cache keeps exactly its committed tokens except the last one, which is
@@ -43,6 +44,7 @@ from transformers import LogitsProcessorList, MaxLengthCriteria, StoppingCriteri
 
 from . import cache as kv
 from .compiled import EAGER, Verifier
+from .costmodel import RoundCost
 from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
 from .inputs import NO_INPUTS, ModelInputs
@@ -187,7 +189,9 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     if active:
         drafter = _guarded(drafter.prefill, [row.view(inputs.max_length) for row in active], drafter, stats)
 
+    learned = 0.0  # the last round's emit and learning (step 7 on): the next round's outcome carries them
     while active:
+        begin = time.perf_counter()
         views = [row.view(inputs.max_length) for row in active]
         # 1-3. offer, plan, propose
         try:
@@ -206,14 +210,17 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
             drafter.update([RoundOutcome.discarded(v, p, len(views)) for v, p in zip(views, proposals)])
             policy, drafter = _shrink(error, policy, drafter, proposals, stats)
             continue
-        # 7. emit
-        outcomes = [_emit(inputs, emitter, steps, row, outcome, returned, plan=plan)
+        # 7. emit; the round's host work is what its forwards' and drafter's times do not hold
+        host = max(0.0, time.perf_counter() - begin - RoundCost.spent(outcomes)) + learned
+        begin = time.perf_counter()
+        outcomes = [_emit(inputs, emitter, steps, row, outcome, returned, plan=plan, host_time=host)
                     for row, outcome, plan, returned in zip(active, outcomes, plans, scores)]
         # 8. learn
         stats.record(outcomes)
         policy.observe(outcomes)
         drafter.update(outcomes)
         active = _leave(cache, active)
+        learned = time.perf_counter() - begin
 
     emitter.end()
     stats.total_time_s = time.perf_counter() - start
@@ -492,8 +499,9 @@ def _stack(entries: list):
 
 
 def _emit(inputs, emitter, steps: list[list[Step]], row: _Row, outcome: RoundOutcome | None, returned,
-          tokens=None, plan=None):
-    """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted."""
+          tokens=None, plan=None, host_time: float = 0.0):
+    """Cut the row's tokens at its first stop, stream them, append them; the outcome gets what was emitted (and the
+    round's ``host_time``)."""
     if tokens is None:
         tokens = [outcome.proposal.tokens[n] for n in outcome.accepted] + [outcome.next_token]
     tokens = tokens[: inputs.max_length - row.prompt.shape[0] - len(row.new)]  # (``_own_stops``: the length's stop)
@@ -511,7 +519,7 @@ def _emit(inputs, emitter, steps: list[list[Step]], row: _Row, outcome: RoundOut
     if outcome is None:
         return None
     return dataclasses.replace(outcome, emitted=tuple(tokens), finished=row.done,
-                               plan=outcome.plan if plan is None else plan)
+                               plan=outcome.plan if plan is None else plan, host_time=host_time)
 
 
 def _leave(cache: kv.KVStore, rows: list[_Row]) -> list[_Row]:

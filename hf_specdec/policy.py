@@ -106,8 +106,8 @@ from .config import LookaheadConfig, PolicyKind, SpecConfig, TreeMode
 from .costmodel import (Bound, DecayedAcceptance, Estimates, Regret, RoundCost, best_count, best_round, beta_rate,
                         expected_tokens, prefix_gains)
 from .layout import merge_candidates
-from .round import (PRIOR_WEIGHT, Candidate, Offer, PlainReason, PlainWhy, RoundOutcome, RoundPlan, RowView,
-                    SourceKind, TreeShape, prior_acceptance)
+from .round import (PRIOR_WEIGHT, Candidate, Offer, PlainReason, PlainWhy, RoundKind, RoundOutcome, RoundPlan,
+                    RowView, SourceKind, TreeShape, prior_acceptance)
 
 PLAIN = RoundPlan()
 
@@ -430,7 +430,7 @@ class Planner:
         estimates = self.estimates
         return RoundCost(estimates.forward, rows, estimates.draft_seconds(rows),
                          estimates.ema_value(EmaName.HOLE_SECONDS) or 0.0, estimates.draft_seconds, self.width,
-                         self.regret.allows)
+                         self.regret.allows, host=estimates.host_seconds)
 
     def read_seconds(self, setup_tokens: int) -> float:
         """What the draft reading ``setup_tokens`` prompt tokens would cost: its learned share of the target's
@@ -582,8 +582,17 @@ class Planner:
             return None
         limit = min(MAX_TREE_NODES, max(8 if rows == 1 else 1, 2 * self.estimates.forward.largest // rows) - 1)
         rates = [self.acceptance((SourceKind.DRAFT, rank)).rates(depth) for rank in range(TREE_CHILDREN)]
+        nodes = expected_tree(rates, limit)
+        chain = best_round(price, prefix_gains(rates[0]), depth) if mode is TreeMode.AUTO else None
+        bounds = tree_rate_bounds(price, nodes)
+        if chain is not None and max(bounds, default=0.0) <= chain.rate:
+            return None  # no tree can beat the chain: the shapes need not be priced
         best = best_branching = None
-        for shape, tokens in tree_prefixes(expected_tree(rates, limit), TREE_CHILDREN):
+        for m, (shape, tokens) in enumerate(tree_prefixes(nodes, TREE_CHILDREN)):
+            to_beat = (best_branching.rate if best_branching else 0.0) if chain is None else max(
+                chain.rate, best.rate if best else 0.0)
+            if m < len(bounds) and bounds[m] <= to_beat:
+                continue  # a shape that cannot change the answer is not priced
             seconds = price.tree(shape)
             if seconds is None:
                 break
@@ -594,7 +603,6 @@ class Planner:
                 best_branching = choice
         if mode is TreeMode.ON:
             return best_branching
-        chain = best_round(price, prefix_gains(rates[0]), depth)
         if best is None or not best.shape.branches or chain is None or best.rate <= chain.rate:
             return None
         return best
@@ -611,9 +619,10 @@ class Planner:
         may try. 1: nothing is affordable, a plain step earns the budget back. A round that cannot lose (t(n) no
         more than t(1), at worst) is affordable even when the account is spent (say, by a draft model's misses)."""
         allowance, step = max(0.0, self.regret.allowance()), price.step() or 0.0
+        host = price.host_seconds(RoundKind.TRIE)
 
         def loses(n: int) -> bool:  # t(n) is monotone from n = 2 on, so the affordable sizes are 1..some n
-            return (price(n, Bound.WORST) or 0.0) - step > allowance
+            return (price(n, Bound.WORST) or 0.0) + host - step > allowance
 
         if limit <= 1 or not loses(limit):  # the usual case once guessing has paid: one estimate, not one a size
             return limit
@@ -710,9 +719,11 @@ class Planner:
         if all(outcome.plan.is_plain for outcome in outcomes):
             self.last_plain_round = self.rounds
         self.estimates.forward.observe(first.forward_tokens, first.verify_time)
+        self.estimates.host[RoundKind.of([outcome.plan for outcome in outcomes])].update(first.host_time)
         if first.compacted:
             self.estimates.ema(EmaName.HOLE_SECONDS).update(first.compact_time / first.compacted)
-        observed = RoundCost(self.estimates.forward, len(outcomes), width=self.width, may_lose=_as_planned)
+        observed = RoundCost(self.estimates.forward, len(outcomes), width=self.width, may_lose=_as_planned,
+                             host=self.estimates.host_seconds)
         _observe_regret(self.regret, observed, outcomes)
         by_source: dict[tuple[SourceKind, int], list[tuple[int, bool]]] = {}
         for outcome in outcomes:
@@ -884,6 +895,30 @@ def expected_tree(rates: Sequence[Sequence[float]], max_nodes: int) -> list[Expe
         offer(parent, rank + 1, depth, 1.0 if parent < 0 else nodes[parent].gain)  # its next sibling
         offer(len(nodes) - 1, 0, depth + 1, -negative)  # its first child
     return nodes
+
+
+def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode]) -> list[float]:
+    """For each m, at most the expected tokens per second of the tree of the first m of ``nodes`` (best first): its
+    tokens over the least its round costs as ``RoundCost.tree`` prices it: a tree's host work, the target's forward
+    over the last token and the m nodes at the same bound (no holes counted) and one draft step per depth (a
+    depth's forward reads at least one input). Empty while unpriced; cut where a forward size is unpriced.
+
+    >>> from hf_specdec.costmodel import ForwardCost
+    >>> price = RoundCost(ForwardCost.from_table({1: 0.1, 8: 0.1}), t_draft=0.01)
+    >>> nodes = expected_tree([[0.8, 0.8], [0.5, 0.5]], 4)
+    >>> [round(bound, 2) for bound in tree_rate_bounds(price, nodes)]  # 4 nodes, depth 2: 3.34 tokens in 0.12 s
+    [16.36, 20.33, 24.5, 27.83]
+    """
+    if price.t_draft is None:
+        return []
+    host, tokens, depth, bounds = price.host_seconds(RoundKind.TREE), 1.0, 0, []
+    for m, node in enumerate(nodes, start=1):
+        tokens, depth = tokens + node.gain, max(depth, node.depth)
+        verify = price(1 + m, Bound.WORST)
+        if verify is None:
+            break
+        bounds.append(tokens / (host + verify + depth * price.t_draft))
+    return bounds
 
 
 def tree_prefixes(nodes: Sequence[ExpectedNode], children: int) -> Iterator[tuple[TreeShape, float]]:

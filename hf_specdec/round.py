@@ -101,6 +101,37 @@ def prior_acceptance(key: tuple[SourceKind, int]) -> float:
     return table[min(variant, len(table) - 1)]
 
 
+class RoundKind(enum.StrEnum):
+    """What a round runs, as far as its host work goes (``costmodel.RoundCost.host``): each kind has its own
+    planning, layout and keep around the forwards (a tree is planned by a search over shapes and kept by a gather;
+    a chain, by a count and a crop), learned apart."""
+
+    PLAIN = "plain"  # no guess: one forward over the last token
+    CHAIN = "chain"  # the draft model's chain (with or without a prompt-lookup tail)
+    TREE = "tree"  # the draft model's tree
+    TRIE = "trie"  # ready-made candidates (prompt lookup, the lookahead pool) and a Jacobi window, no draft model
+
+    @property
+    def within(self) -> "RoundKind | None":
+        """The kind whose host work a round of this kind does too (a tree is planned and kept as a chain is, and
+        more; a chain or a trie does what a plain step does, and more): what prices it before it was measured."""
+        return {RoundKind.TREE: RoundKind.CHAIN, RoundKind.CHAIN: RoundKind.PLAIN,
+                RoundKind.TRIE: RoundKind.PLAIN}.get(self)
+
+    @classmethod
+    def of(cls, plans: Sequence["RoundPlan"]) -> "RoundKind":
+        """The kind of a round whose rows follow ``plans``: the most involved any row runs.
+
+        >>> RoundKind.of([RoundPlan(model_tokens=3), RoundPlan()]), RoundKind.of([RoundPlan(window=(2, 3))])
+        (<RoundKind.CHAIN: 'chain'>, <RoundKind.TRIE: 'trie'>)
+        """
+        if any(plan.tree is not None for plan in plans):
+            return cls.TREE
+        if any(plan.model_tokens for plan in plans):
+            return cls.CHAIN
+        return cls.PLAIN if all(plan.is_plain for plan in plans) else cls.TRIE
+
+
 class PlainReason(enum.StrEnum):
     """Why a planner chose a plain round (``PlainWhy.kind``): the stats count plain rounds by it. Each value is the
     first words of the wording a user reads ("<kind>: <this round's numbers>")."""
@@ -405,6 +436,7 @@ class RoundOutcome:
     plan: RoundPlan = RoundPlan()
     compacted: int = 0
     compact_time: float = 0.0
+    host_time: float = 0.0
 
     @classmethod
     def discarded(cls, view: RowView, proposal: Proposal, rows: int = 1) -> "RoundOutcome":

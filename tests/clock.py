@@ -14,6 +14,7 @@ random draw a sampled run makes, is the same on every machine.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import SimpleNamespace
 from typing import Callable
@@ -44,6 +45,7 @@ class VirtualClock:
         """Every forward of ``model`` advances the clock by ``seconds(number of new tokens)``."""
         forward = model.forward
 
+        @functools.wraps(forward)  # its signature: transformers passes the inputs a forward names (position_ids)
         def timed_forward(*args, **kwargs):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             num_tokens = int(input_ids.shape[1])

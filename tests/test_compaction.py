@@ -18,11 +18,13 @@ PROMPT = torch.tensor([[5, 17, 42, 8, 23, 61, 2, 9, 30, 31]])
 
 
 def _tree_round(store, width):
-    """A trie of ``width`` siblings after the prompt; the row keeps the last, so the others are holes."""
-    tokens = torch.arange(70, 70 + width)[None]
-    inner = torch.eye(width, dtype=torch.bool)[None]
-    written = store.forward(BatchInputs(tokens, torch.zeros(1, width, dtype=torch.long), None, inner))
-    store.keep([[int(written.slots[0, -1])]])
+    """A trie of ``width`` siblings after the prompt in every row; each row keeps the last, so the others are
+    holes."""
+    rows = store.num_rows
+    tokens = torch.arange(70, 70 + width).expand(rows, width)
+    inner = torch.eye(width, dtype=torch.bool).expand(rows, width, width)
+    written = store.forward(BatchInputs(tokens, torch.zeros(rows, width, dtype=torch.long), None, inner))
+    store.keep([[int(written.slots[r, -1])] for r in range(rows)])
     return written
 
 
@@ -30,14 +32,29 @@ def test_a_store_that_compacts_explicitly_leaves_its_holes_to_its_owner():
     model = tiny_model("llama", seed=0)
     by_itself, explicit = kv.KVStore(model), kv.KVStore(model, compacts_on_keep=False)
     for store in (by_itself, explicit):
-        store.prefill(PROMPT, None)
+        store.prefill(PROMPT.expand(2, -1), None)  # a batch: holes stay, masked, until compacted
         _tree_round(store, 14)  # 13 holes in 24 columns: past COMPACT_FRACTION
     assert by_itself.gathers == 1 and by_itself.dense and not by_itself.compaction_due()
     assert explicit.gathers == 0 and explicit.compaction_due() and explicit.width == 24
-    assert explicit.compact() == 13 and explicit.dense and not explicit.compaction_due()
+    assert explicit.compact() == 26 and explicit.dense and not explicit.compaction_due()
     assert explicit.width == by_itself.width == 11
     for a, b in zip(explicit.cache.layers, by_itself.cache.layers):
         torch.testing.assert_close(a.keys, b.keys)
+
+
+def test_one_row_gathers_its_path_at_the_keep_and_stays_in_the_fast_lane():
+    model = tiny_model("llama", seed=0)
+    store, reference = kv.KVStore(model, compacts_on_keep=False), kv.KVStore(model)
+    store.prefill(PROMPT, None)
+    _tree_round(store, 14)  # keeps the 14th sibling: gathered to the first written column, no hole left
+    assert store.gathers == 1 and store.dense and store.valid is None and store.width == 11
+    assert not store.compaction_due()
+    reference.prefill(torch.cat([PROMPT, torch.tensor([[83]])], dim=1), None)  # the kept token read in a chain
+    for a, b in zip(store.cache.layers, reference.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+    lanes = store.lane_forwards
+    store.forward(BatchInputs(torch.tensor([[9, 10]]), torch.arange(2)[None], None, None), logits_at=1)
+    assert store.lane_forwards == lanes + 1  # dense again: the next chain takes the fast lane
 
 
 def test_the_planner_prices_holes_by_what_compacting_measured():

@@ -158,24 +158,27 @@ def test_a_batch_of_a_sliding_window_gemma_3n_is_refused_with_the_reason():
 
 
 def test_indexer_keys_follow_a_kept_path_and_compaction():
-    """A trie round (a, then b or c after a) keeps a -> c: the hole at b is masked, then compacted away; the
-    indexer keys of the store are then those a forward over the kept tokens alone computes."""
+    """A trie round (a, then b or c after a) keeps a -> c: in a batch the hole at b is masked, then compacted
+    away; one row gathers its path at the keep. Either way the indexer keys of the store are then those a forward
+    over the kept tokens alone computes."""
     model = deepseek_v32()
-    store = KVStore(model)
-    store.prefill(PROMPT, None)
-    trie = BatchInputs(torch.tensor([[8, 9, 10]]), torch.tensor([[0, 1, 1]]), None,
-                       torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool))
-    slots = store.forward(trie).slots[0].tolist()
-    store.keep([[slots[0], slots[2]]])
-    assert store.valid is not None  # the hole stays, masked
-    store.compact()
-    assert store.dense
     reference = DynamicCache(config=model.config)
     with torch.no_grad():
         model(torch.cat([PROMPT, torch.tensor([[8, 10]])], dim=1), past_key_values=reference, use_cache=True)
-    for ours, theirs in zip(store.layers, reference.layers):
-        torch.testing.assert_close(ours.indexer_keys, theirs.indexer_keys)
-        torch.testing.assert_close(ours.keys, theirs.keys)
+    for rows in (2, 1):
+        store = KVStore(model)
+        store.prefill(PROMPT.expand(rows, -1), None)
+        inner = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool).expand(rows, -1, -1)
+        trie = BatchInputs(torch.tensor([[8, 9, 10]]).expand(rows, -1), torch.tensor([[0, 1, 1]]).expand(rows, -1),
+                           None, inner)
+        slots = store.forward(trie).slots.tolist()
+        store.keep([[row[0], row[2]] for row in slots])
+        assert (store.valid is not None) == (rows == 2) and store.gathers == (rows == 1)  # a batch: masked hole
+        store.compact()
+        assert store.dense
+        for ours, theirs in zip(store.layers, reference.layers):
+            torch.testing.assert_close(ours.indexer_keys[:1], theirs.indexer_keys)
+            torch.testing.assert_close(ours.keys[:1], theirs.keys)
 
 
 def test_the_attentions_of_a_shared_sliding_layer_are_plains():

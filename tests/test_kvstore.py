@@ -44,39 +44,42 @@ def masks_seen(model):
 
 def test_keep_after_several_writes_takes_a_branch_that_spans_them(model):
     """Write [t, a] and then two siblings b and c after a, one forward each (as a draft model drafting a tree
-    depth by depth would); keeping t -> a -> c leaves b as a masked hole."""
+    depth by depth would); keeping t -> a -> c leaves b as a masked hole (in a batch: one row gathers its path at
+    the keep, tests/test_compaction.py). Two rows, the same tokens in each."""
     store = kv.KVStore(model)
-    store.prefill(PROMPT, None)
-    first = store.forward(chain([70, 71]))  # t, a
+    store.prefill(PROMPT.expand(2, -1), None)
+    first = store.forward(chain([70, 71] * 2, rows=2))  # t, a
     a = first.slots[:, 1]
-    b = store.forward(chain([72]), after=a)
-    c = store.forward(chain([73]), after=a)
-    assert b.slots.tolist() == [[12]] and c.slots.tolist() == [[13]] and store.num_written == 4
+    b = store.forward(chain([72, 72], rows=2), after=a)
+    c = store.forward(chain([73, 73], rows=2), after=a)
+    assert b.slots.tolist() == [[12]] * 2 and c.slots.tolist() == [[13]] * 2 and store.num_written == 4
     torch.testing.assert_close(b.logits[0, -1], dense_logits(model, PROMPT[0].tolist() + [70, 71], 72), atol=ATOL,
                                rtol=0)
     torch.testing.assert_close(c.logits[0, -1], dense_logits(model, PROMPT[0].tolist() + [70, 71], 73), atol=ATOL,
                                rtol=0)
-    store.keep([first.slots[0].tolist() + c.slots[0].tolist()])
-    assert store.lengths.tolist() == [13] and store.valid[0, -2:].tolist() == [False, True] and store.gathers == 0
-    logits = store.forward(chain([74]), logits_at=1).logits[0, -1]
+    store.keep([first.slots[r].tolist() + c.slots[r].tolist() for r in range(2)])
+    assert store.lengths.tolist() == [13] * 2 and store.valid[0, -2:].tolist() == [False, True] and store.gathers == 0
+    logits = store.forward(chain([74, 74], rows=2), logits_at=1).logits[0, -1]
     torch.testing.assert_close(logits, dense_logits(model, PROMPT[0].tolist() + [70, 71, 73], 74), atol=ATOL, rtol=0)
 
 
 def test_holes_masked_then_compacted_give_the_dense_logits(model):
     store = kv.KVStore(model)
-    store.prefill(PROMPT, None)
-    tree = BatchInputs(torch.tensor([[70, 71, 72, 73]]), torch.tensor([[0, 1, 2, 2]]), None,
-                       torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool))
+    store.prefill(PROMPT.expand(2, -1), None)  # a batch: holes stay masked until compacted
+    tree = BatchInputs(torch.tensor([[70, 71, 72, 73]]).expand(2, -1), torch.tensor([[0, 1, 2, 2]]).expand(2, -1),
+                       None, torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]],
+                                          dtype=torch.bool).expand(2, -1, -1))
     written = store.forward(tree)
-    store.keep([written.slots[0, [0, 1, 3]].tolist()])  # 70 -> 71 -> 73, a hole where 72 was
+    store.keep([written.slots[r, [0, 1, 3]].tolist() for r in range(2)])  # 70 -> 71 -> 73, a hole where 72 was
     assert not store.dense and store.gathers == 0 and store.width == PROMPT.shape[1] + 4
     expected = dense_logits(model, PROMPT[0].tolist() + [70, 71, 73], 9)
-    masked = store.forward(chain([9]), logits_at=1)
+    masked = store.forward(chain([9, 9], rows=2), logits_at=1)
     torch.testing.assert_close(masked.logits[0, -1], expected, atol=ATOL, rtol=0)
     store.discard()
     store.compact()
     assert store.dense and store.gathers == 1 and store.width == PROMPT.shape[1] + 3
-    torch.testing.assert_close(store.forward(chain([9]), logits_at=1).logits[0, -1], expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(store.forward(chain([9, 9], rows=2), logits_at=1).logits[0, -1], expected, atol=ATOL,
+                               rtol=0)
 
 
 def test_a_forward_without_keep_is_forgotten_by_discard(model):

@@ -120,7 +120,7 @@ def test_sampling_runs_and_is_reproducible_with_a_seed():
     assert outs[0].shape == (1, REPETITIVE.shape[1] + NEW) and torch.equal(outs[0], outs[1])
 
 
-def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
+def test_a_kept_path_equals_a_fresh_forward_over_the_accepted_tokens():
     model = tiny_model("llama")
     prompt = REPETITIVE[:, :-1]
     cache = kv.KVStore(model, "sdpa")
@@ -130,9 +130,8 @@ def test_compacted_cache_equals_a_fresh_forward_over_the_accepted_tokens():
     trie = merge_candidates([Candidate(c, (SourceKind.POOL, 0)) for c in [(5, 6, 7), (5, 8), (4, 2)]], 8, extra=extra)
     step = round_layout(trie, last)
     written = cache.forward(stack_layouts([step]))
-    cache.keep([written.slots[0, step.kept_inputs([0, 3])].tolist()])  # the path 5 -> 8: holes, masked
-    assert not cache.dense and cache.gathers == 0
-    cache.compact()
+    cache.keep([written.slots[0, step.kept_inputs([0, 3])].tolist()])  # the path 5 -> 8: one row gathers it
+    assert cache.dense and cache.gathers == 1 and cache.compact() == 0  # no hole left to compact
 
     fresh = kv.new_cache(model)
     kv.call_model(model, torch.cat([REPETITIVE, torch.tensor([[5, 8]])], dim=1), fresh)

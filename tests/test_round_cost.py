@@ -3,12 +3,18 @@ planner's decisions were made on (a chain, a tree, a trie with holes, a finished
 the planner's decision, and a compiled verify's buckets (``width``) reach every price."""
 
 import pytest
+import torch
 
+import hf_specdec
 from hf_specdec.config import LookaheadConfig, SpecConfig
-from hf_specdec.costmodel import Bound, ForwardCost, RoundCost
+from hf_specdec.costmodel import Bound, ForwardCost, RoundCost, best_round, prefix_gains
 from hf_specdec.models.profile import HardwareProfile
-from hf_specdec.policy import EmaName, Planner, TrieChoice
-from hf_specdec.round import Candidate, Proposal, RoundOutcome, RoundPlan, Source, SourceKind, TreeShape
+from hf_specdec.policy import EmaName, Planner, TrieChoice, expected_tree, tree_rate_bounds
+from hf_specdec.round import (Candidate, Proposal, RoundKind, RoundOutcome, RoundPlan, Source, SourceKind,
+                              TreeShape)
+from hf_specdec.stats import SpecStats
+from tests.clock import VirtualClock
+from tests.conftest import perturbed_copy, tiny_model
 
 FLAT = {1: 0.10, 2: 0.10, 4: 0.11, 8: 0.12, 16: 0.20}
 STEEP = {1: 0.10, 2: 0.175, 4: 0.30, 8: 0.55}
@@ -127,3 +133,71 @@ def test_the_hardware_profile_prices_by_the_round_cost():
     assert profile.prefill_seconds("bf16", 4) == pytest.approx(price(4))  # a short prompt reads every weight once
     bare = HardwareProfile.from_numbers({"bf16": {1: 0.2, 4: 0.21, 8: 0.26}})
     assert bare.prefill_seconds("bf16", 64) == pytest.approx(price(64, Bound.WORST))
+
+
+def test_each_round_kind_pays_its_host_work_and_the_planner_learns_it_per_kind():
+    cost = ForwardCost.from_table(FLAT)
+    host = {RoundKind.PLAIN: 0.001, RoundKind.CHAIN: 0.002, RoundKind.TREE: 0.004, RoundKind.TRIE: 0.003}
+    bare, price = RoundCost(cost, t_draft=0.02), RoundCost(cost, t_draft=0.02, host=host.get)
+    shape = TreeShape(nodes=(2, 1), expanded=(1, 1), children=2)
+    assert price.step() == pytest.approx(bare.step() + 0.001)
+    assert price.round(0) == pytest.approx(bare.round(0) + 0.001)
+    assert price.round(3) == pytest.approx(bare.round(3) + 0.002)
+    assert price.more(3) == bare.more(3)  # one more draft token adds no round of host work
+    assert price.tree(shape) == pytest.approx(bare.tree(shape) + 0.004)
+    assert price.trie(4, 2) == pytest.approx(bare.trie(4, 2) + 0.003)
+
+    planner = Planner.speculative(SpecConfig())
+    for n in (1, 4):
+        planner.estimates.forward.observe(n, 0.1)
+    plans = {RoundKind.PLAIN: RoundPlan(), RoundKind.CHAIN: RoundPlan(model_tokens=3),
+             RoundKind.TREE: RoundPlan(model_tokens=2, tree=shape)}
+    for kind, plan in plans.items():
+        planner.observe([RoundOutcome(Proposal(), accepted=(), next_token=0, emitted=(0,), start_length=10,
+                                      forward_tokens=1, verify_time=0.1, plan=plan, host_time=host[kind])])
+    assert {kind: planner.estimates.host_seconds(kind) for kind in plans} == {k: host[k] for k in plans}
+    assert planner.estimates.host_seconds(RoundKind.TRIE) == host[RoundKind.PLAIN]  # no trie round yet: a plain one's
+    assert planner.price().round(3) == pytest.approx(planner.price().round(3, bound=Bound.EXPECTED))
+    assert planner.price().host_seconds(RoundKind.TREE) == 0.004
+
+
+def test_a_tree_whose_host_work_costs_more_than_its_extra_tokens_is_not_grown():
+    """A flat t(n) (a GPU, a tiny model): a tree beats the chain on forwards alone; with the tree's host work a
+    round priced in (a shape search, masks, gathers: measured), the chain wins, and the shapes are not priced."""
+    policy = Planner.speculative(SpecConfig(tree="auto"))
+    policy.estimates.draft_step.observe(1, 0.01)
+    for n in range(1, 34):
+        policy.estimates.forward.observe(n, 0.10)
+    assert policy.tree(policy.price(), 8) is not None  # no host work measured: the tree (the priors' acceptance)
+    policy.estimates.host[RoundKind.CHAIN].update(0.002)
+    policy.estimates.host[RoundKind.TREE].update(0.08)  # as much as a forward
+    price = policy.price()
+    assert policy.tree(price, 8) is None
+    rates = [policy.acceptance((SourceKind.DRAFT, rank)).rates(8) for rank in range(4)]
+    chain = best_round(price, prefix_gains(rates[0]), 8)
+    assert max(tree_rate_bounds(price, expected_tree(rates, 31))) <= chain.rate  # decided by the bounds alone
+
+
+def test_the_loop_measures_each_round_s_host_work_for_the_planner(monkeypatch):
+    """On a virtual clock (forwards 1 s, draft steps 0.05 s: drafting pays on any machine) where each round's
+    learning (``SpecStats.record``) takes 0.25 s and nothing else outside the forwards takes any: every round's
+    host time is the learning of the round before, learned per kind, and the price holds it."""
+    model = hf_specdec.enable(tiny_model("llama", seed=0))
+    draft = perturbed_copy(model, 0.02)
+    prompt = torch.tensor([[5, 17, 42, 8, 23, 61, 2, 9]])
+    clock = VirtualClock(monkeypatch)
+    clock.charge(monkeypatch, model, lambda n: 1.0)
+    clock.charge(monkeypatch, draft, lambda n: 0.05)
+    record = SpecStats.record
+
+    def slow_record(self, outcomes):
+        clock.now += 0.25
+        return record(self, outcomes)
+
+    monkeypatch.setattr(SpecStats, "record", slow_record)
+    out = model.generate(prompt, assistant_model=draft, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, model.generate.__wrapped__(prompt, max_new_tokens=24, do_sample=False))
+    assert model.last_spec_stats.get().accepted > 0  # it drafted: chain rounds were timed
+    estimates = model.speculative_memory.estimates(draft)
+    assert estimates.host_seconds(RoundKind.CHAIN) == pytest.approx(0.25)
+    assert Planner.speculative(SpecConfig(), estimates).price().host_seconds(RoundKind.CHAIN) == pytest.approx(0.25)
