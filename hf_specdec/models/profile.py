@@ -440,7 +440,7 @@ class HardwareProfile:
 
     ``target`` / ``draft``: one ``FormatCost`` per measured format; ``target_model`` / ``draft_model``: the
     fingerprints they were measured for (None: given numbers, any model); ``notes``: formats that could not be
-    measured, or were measured but not cached (``store``: not self-consistent), and why.
+    measured, or were cached unverified (``store``: not self-consistent), and why.
     """
 
     device: DeviceIdentity

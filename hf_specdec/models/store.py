@@ -10,12 +10,14 @@ the wrong type) is measured again with a logged warning, and a cache that cannot
 profile in memory with a warning, leaving no temporary file behind. Entries are written to a temporary name and
 renamed: never half a file.
 
-A cache is trusted only while it agrees with itself and with what calls time. A measurement is cached only when
-it is self-consistent (``profile.check_cost``: t(n) nondecreasing, no forward dearer than as many single steps,
-rounds that agree, no load drift while it ran); one that is not is measured once more (``REMEASURE``) and, when
-it still is not, used for this process only, with a note and a warning. A cached entry that contradicts itself
-is measured again, as a damaged one is; and an entry a call's timed forwards disagree with (``models.seeding``)
-is marked stale (``mark_stale``): the next ``get_profile`` measures it again.
+A cache is trusted only while it agrees with itself and with what calls time. A measurement that is not
+self-consistent (``profile.check_cost``: t(n) nondecreasing, no forward dearer than as many single steps, rounds
+that agree, no load drift while it ran) is measured once more (``REMEASURE``); when it still is not, it is cached
+marked ``unverified`` (with why, a note and a warning): measuring it in every process would cost every process
+minutes, and the proxies' timings of a quiet machine can disagree too. A cached entry that contradicts itself and
+is not so marked (one written before these checks) is measured again, as a damaged one is; and any entry a call's
+timed forwards disagree with (``models.seeding``) is marked stale (``mark_stale``): the next ``get_profile``
+measures it again. So a profile measured on a busy machine misleads one process at most.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights, 
 SLOWER_MARGIN = 2.0
 REMEASURE = 1  # a measurement that contradicts itself (``check_cost``) is measured this many more times at most
 STALE = "stale"  # an entry's field, set by ``mark_stale``: why calls disagreed with it (read as absent)
+UNVERIFIED = "unverified"  # an entry's field: why it was cached though it never measured self-consistently
 
 
 def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
@@ -71,18 +74,22 @@ def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
         logger.info("hardware profile cache entry %s is stale (%s); measuring it again", path, data[STALE])
         return None
     verdict = check_cost(cost)
-    if not verdict.ok:
+    if not verdict.ok and not data.get(UNVERIFIED):
         logger.warning("hardware profile cache entry %s contradicts itself (%s); measuring it again", path,
                        verdict.why)
         return None
     return cost
 
 
-def write_entry(key: ProfileKey, cost: FormatCost, cache_dir=None, seconds: float | None = None) -> Path:
+def write_entry(key: ProfileKey, cost: FormatCost, cache_dir=None, seconds: float | None = None,
+                unverified: str | None = None) -> Path:
     """Store one measurement (written to a temporary name, then renamed: never half a file, and no temporary
-    file left when writing fails). Raises OSError when the cache cannot be written."""
+    file left when writing fails); ``unverified``: why it is kept though it is not self-consistent. Raises
+    OSError when the cache cannot be written."""
     data = {"key": key.to_dict(), "cost": cost.to_dict(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "measure_seconds": seconds}
+    if unverified:
+        data[UNVERIFIED] = unverified
     return _write_json(key.path(cache_dir), data)
 
 
@@ -120,10 +127,10 @@ def _write_json(path: Path, data: dict) -> Path:
     return path
 
 
-def _stored(key: ProfileKey, cost: FormatCost, cache_dir, seconds: float) -> None:
+def _stored(key: ProfileKey, cost: FormatCost, cache_dir, seconds: float, unverified: str | None = None) -> None:
     """Write one measurement; a cache that cannot be written is a warning (the profile holds the measurement)."""
     try:
-        write_entry(key, cost, cache_dir, seconds)
+        write_entry(key, cost, cache_dir, seconds, unverified)
     except OSError as err:
         logger.warning("hardware profile cache %s cannot be written (%s: %s); this measurement is not kept for "
                        "the next run", key.path(cache_dir).parent, type(err).__name__, err)
@@ -142,9 +149,9 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
     left out with a note. A draft format whose first steps are over ``SLOWER_MARGIN`` times the fastest draft
     format's t(1) so far is kept at that probe (``FormatCost.method == "probe"``): it cannot be chosen, and
     measuring it in full could take minutes (``measure.measure_format(slower_than=)``). A damaged cache entry is
-    measured again and a cache that cannot be written is warned about: neither raises. A measurement is cached
-    only when it is self-consistent (``check_cost``; measured up to ``REMEASURE`` more times, else used here and
-    noted), and a cached one that is not, or that is stale (``mark_stale``), is measured again.
+    measured again and a cache that cannot be written is warned about: neither raises. A measurement that is not
+    self-consistent (``check_cost``) is measured up to ``REMEASURE`` more times, else cached marked unverified and
+    noted; a cached one that is not (unmarked), or that is stale (``mark_stale``), is measured again.
     """
     device = resolve_device(device)
     measurer = measurer or measure.measure_format
@@ -172,13 +179,12 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
                 except FormatUnavailable as err:
                     notes.append(f"{role} {fmt} not measured: {err}")
                     continue
-                if verdict.ok:
-                    _stored(key, cost, cache_dir, time.perf_counter() - start)
-                else:
-                    notes.append(f"{role} {fmt} measured but not cached (timed {1 + REMEASURE} times, never "
-                                 f"self-consistent: {verdict.why}); measured again in the next process")
-                    logger.warning("hardware profile: the %s in %s did not measure self-consistently (%s); using it "
-                                   "for this process only, not caching it", role, fmt, verdict.why)
+                _stored(key, cost, cache_dir, time.perf_counter() - start, None if verdict.ok else verdict.why)
+                if not verdict.ok:
+                    notes.append(f"{role} {fmt} cached unverified (timed {1 + REMEASURE} times, never "
+                                 f"self-consistent: {verdict.why}); measured again once a call disagrees with it")
+                    logger.warning("hardware profile: the %s in %s did not measure self-consistently (%s); cached "
+                                   "unverified, measured again once a call disagrees with it", role, fmt, verdict.why)
             if cost is not None:
                 entries[role].append(cost)
     return HardwareProfile(identity, torch.__version__, tuple(entries["target"]), tuple(entries["draft"]),
