@@ -1,6 +1,6 @@
 """A hardware profile that cannot lie for long: a measurement is cached only when it agrees with itself
 (``profile.check_cost``), a cached entry that does not is measured again, and an entry that a call's own timed
-forwards disagree with is marked stale and measured again by the next ``get_profile`` (``seeding.call_end``).
+forwards disagree with is scaled to what the call timed (``seeding.call_end``, ``store.calibrate``).
 
 The bad tables are the numbers of the profile cache found on the AVX2-only EPYC in session 37 (measured while
 the machine was under load; copies in /work/notes/s37/bad_profiles/): they made ``dtype="auto"`` choose bf16
@@ -134,7 +134,7 @@ def test_a_measurement_that_contradicts_itself_is_measured_again_and_kept_when_i
     assert S.read_entry(_key(config), tmp_path).table == GOOD
 
 
-def test_a_measurement_that_never_agrees_is_cached_unverified_until_a_call_disagrees(tmp_path, caplog):
+def test_a_measurement_that_never_agrees_is_cached_unverified_for_calls_to_calibrate(tmp_path, caplog):
     config = tiny_model("qwen2").config
     calls, lines = [], []
     with caplog.at_level(logging.WARNING, logger="hf_specdec.models.store"):
@@ -144,19 +144,19 @@ def test_a_measurement_that_never_agrees_is_cached_unverified_until_a_call_disag
     assert profile.target[0].table == LOADED_FP32  # this process decides with it: nothing better was measured
     why = "t(12) = 9.63 s is below t(8) = 14.7 s; t(2) = 11 s is over 2 single steps (4.99 s)"
     assert profile.notes == (f"target fp32 cached unverified (timed 2 times, never self-consistent: {why}); "
-                             "measured again once a call disagrees with it",)
+                             "calibrated by the first call that disagrees",)
     assert f"  {profile.notes[0]}" in profile.describe().splitlines()
     assert lines[1] == f"the target in fp32 measured inconsistently ({why}); measuring it again"
     assert (f"hardware profile: the target in fp32 did not measure self-consistently ({why}); cached unverified, "
-            "measured again once a call disagrees with it") in caplog.messages
+            "calibrated by the first call that disagrees") in caplog.messages
     path = _key(config).path(tmp_path)
     assert json.loads(path.read_text())[S.UNVERIFIED] == why
     calls.clear()  # the next process reads it as it is: no minutes of measuring in every process
     assert S.get_profile(config, cache_dir=tmp_path, measurer=scripted(calls, GOOD),
                          target_formats=["fp32"]).target[0].table == LOADED_FP32 and calls == []
-    assert S.mark_stale(_key(config), LOADED_FP32, "a call disagreed", tmp_path)  # (seeding.call_end)
+    assert S.calibrate(_key(config), LOADED_FP32, 0.5, "a call disagreed", tmp_path)  # (seeding.call_end)
     S.get_profile(config, cache_dir=tmp_path, measurer=scripted(calls, GOOD), target_formats=["fp32"])
-    assert calls == [("target", "fp32")] and S.read_entry(_key(config), tmp_path).table == GOOD
+    assert calls == [] and S.read_entry(_key(config), tmp_path).table == {n: 0.5 * t for n, t in LOADED_FP32.items()}
 
 
 def test_a_cached_entry_that_contradicts_itself_is_measured_again(tmp_path, caplog):
@@ -173,26 +173,23 @@ def test_a_cached_entry_that_contradicts_itself_is_measured_again(tmp_path, capl
         assert S.read_entry(_key(config, fmt=fmt), tmp_path).table == GOOD  # rewritten
 
 
-def test_mark_stale_marks_only_the_entry_it_judged(tmp_path, caplog):
+def test_calibrate_scales_only_the_entry_it_judged(tmp_path, caplog):
     config = tiny_model("qwen2").config
     key = _key(config)
     path = S.write_entry(key, target_cost(GOOD), tmp_path)
-    assert not S.mark_stale(key, {1: 0.5}, "another table", tmp_path)  # measured again since: left alone
+    assert not S.calibrate(key, {1: 0.5}, 3.0, "another table", tmp_path)  # measured again since: left alone
     assert S.read_entry(key, tmp_path).table == GOOD
     with caplog.at_level(logging.WARNING, logger="hf_specdec.models.store"):
-        assert S.mark_stale(key, GOOD, "t(1): off", tmp_path)
-    assert json.loads(path.read_text())[S.STALE] == "t(1): off"
-    assert (f"hardware profile cache entry {path} disagrees with what a call timed (t(1): off); it is measured again "
-            "on the next get_profile") in caplog.messages
-    assert S.read_entry(key, tmp_path) is None and not S.mark_stale(key, GOOD, "again", tmp_path)
-    assert not S.mark_stale(_key(config, fmt="bf16"), GOOD, "absent", tmp_path)
+        assert S.calibrate(key, GOOD, 3.0, "t(1): off", tmp_path)
+    tripled = {n: 3.0 * t for n, t in GOOD.items()}
+    assert json.loads(path.read_text())[S.CALIBRATED] == "t(1): off" and S.read_entry(key, tmp_path).table == tripled
+    assert (f"hardware profile cache entry {path} disagrees with what a call timed (t(1): off); its t(n) is scaled "
+            "by 3") in caplog.messages
+    assert not S.calibrate(key, GOOD, 3.0, "again", tmp_path)  # calibrated since: the table it judged is gone
+    assert not S.calibrate(_key(config, fmt="bf16"), GOOD, 3.0, "absent", tmp_path)
     calls = []
     S.get_profile(config, cache_dir=tmp_path, measurer=scripted(calls, GOOD), target_formats=["fp32"])
-    assert calls == [("target", "fp32")] and S.STALE not in json.loads(path.read_text())
-
-
-# ---------------------------------------------------------------------------------------------------------
-# a call's timed forwards against the entry it was seeded from
+    assert calls == []  # a calibrated entry is read as it is: nothing measured again
 
 
 def test_disagreement_is_judged_over_enough_forwards_both_ways():
@@ -244,27 +241,27 @@ def run_call(monkeypatch, cache, target_seconds):
     return model, draft, stats, paths
 
 
-def test_a_call_that_disagrees_with_the_cached_profile_marks_it_stale(cache, monkeypatch, caplog):
+def test_a_call_that_disagrees_with_the_cached_profile_calibrates_it(cache, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_specdec.models.store"):
         model, draft, stats, paths = run_call(monkeypatch, cache, lambda n: 5 * T_TARGET)  # 5x the profile
     found = seeding.disagreement({n: T_TARGET for n in F.TARGET_SIZES}, stats.verify_time_by_tokens)
     assert found.ratio == pytest.approx(5) and found.samples >= seeding.STALE_SAMPLES
-    assert json.loads(paths["target"].read_text())[S.STALE] == (
+    entry = json.loads(paths["target"].read_text())
+    assert entry[S.CALIBRATED] == (
         f"t({found.n}): the profile predicts 0.1 s, {found.samples} forwards of a call took 0.5 s (median), 5x")
-    assert S.STALE not in json.loads(paths["draft"].read_text())  # the draft's entry is not judged by t(n)
+    assert S.CALIBRATED not in json.loads(paths["draft"].read_text())  # the draft's entry is not judged by t(n)
     assert "disagrees with what a call timed" in caplog.text
-    # the next get_profile measures the target again, and the draft's entry stands
+    # the next get_profile reads the target's entry as the call timed it: nothing is measured again
     calls = []
     profile = S.get_profile(model, draft, target_formats=["fp32"], draft_formats=["fp32"],
                             measurer=lambda *a, **k: calls.append(a[1:3]) or flat(*a, **k))
-    assert calls == [("target", "fp32")] and profile.target_formats == ("fp32",)
-    assert S.STALE not in json.loads(paths["target"].read_text())
+    assert calls == [] and profile.target[0].t1 == pytest.approx(5 * T_TARGET)
 
 
 def test_a_call_that_agrees_leaves_the_cached_profile(cache, monkeypatch):
     model, draft, stats, paths = run_call(monkeypatch, cache, lambda n: 1.3 * T_TARGET)  # within the factor
     assert max(len(v) for v in stats.verify_time_by_tokens.values()) >= seeding.STALE_SAMPLES  # judged
-    assert S.STALE not in json.loads(paths["target"].read_text())
+    assert S.CALIBRATED not in json.loads(paths["target"].read_text())
     calls = []
     S.get_profile(model, draft, target_formats=["fp32"], draft_formats=["fp32"],
                   measurer=lambda *a, **k: calls.append(a[1:3]) or flat(*a, **k))

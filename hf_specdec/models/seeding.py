@@ -17,9 +17,8 @@ seed a memory on its first call, then hand the call its ``Seeding`` (what its ``
 
 A seeded call then checks the profile against what it timed (``call_end``): where its forwards of one size took
 over ``STALE_FACTOR`` times, or under 1 / ``STALE_FACTOR`` of, what the cached entry predicts (``disagreement``,
-over ``STALE_SAMPLES`` forwards at least), the entry is marked stale (``store.mark_stale``) and the next
-``get_profile`` measures it again: a profile measured while the machine was busy (or since moved to other
-hardware under the same key) is not trusted forever.
+over ``STALE_SAMPLES`` forwards at least), the entry's t(n) is scaled by the call's ratio (``store.calibrate``):
+a profile measured while the machine was busy, or one a proxy got wrong, is not trusted forever.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from .formats import model_format
 from .hardware import resolve_device
 from .profile import DeviceIdentity, HardwareProfile, ProfileKey, model_fingerprint
 from .refs import config_of
-from .store import cached_profile, mark_stale
+from .store import cached_profile, calibrate
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +210,7 @@ def disagreement(seeded: Mapping[int, float], timed: Mapping[int, Sequence[float
 def call_end(target, origin: Seeding, timed: Mapping[int, Sequence[float]], rows: int = 1, *,
              cache_dir=None) -> Disagreement | None:
     """After a call on a memory seeded from the cached profile (``origin``: what its first call read): the cached
-    t(n) entry of ``target`` in its format is marked stale (``store.mark_stale``) when the call's own forwards
+    t(n) entry of ``target`` in its format is scaled by the ratio (``store.calibrate``) when the call's own forwards
     (``timed``, one row: a batch's forwards are not the profile's) disagree with it (``disagreement``). Returns
     the disagreement (None: nothing to judge, or agreement). Never raises: a cache that cannot be read or written
     is a warning."""
@@ -224,8 +223,8 @@ def call_end(target, origin: Seeding, timed: Mapping[int, Sequence[float]], rows
         identity = DeviceIdentity.here(resolve_device(str(next(target.parameters()).device)))
         key = ProfileKey("target", origin.target_format, model_fingerprint(config_of(target)[0]), identity,
                          torch.__version__)
-        mark_stale(key, origin.forward_seconds, found.why, cache_dir)
+        calibrate(key, origin.forward_seconds, found.ratio, found.why, cache_dir)
     except _PROFILE_ERRORS as err:
-        logger.warning("the hardware profile entry that a call disagreed with (%s) could not be marked stale "
+        logger.warning("the hardware profile entry that a call disagreed with (%s) could not be calibrated "
                        "(%s: %s)", found.why, type(err).__name__, err)
     return found

@@ -16,12 +16,14 @@ that agree, no load drift while it ran) is measured once more (``REMEASURE``); w
 marked ``unverified`` (with why, a note and a warning): measuring it in every process would cost every process
 minutes, and the proxies' timings of a quiet machine can disagree too. A cached entry that contradicts itself and
 is not so marked (one written before these checks) is measured again, as a damaged one is; and any entry a call's
-timed forwards disagree with (``models.seeding``) is marked stale (``mark_stale``): the next ``get_profile``
-measures it again. So a profile measured on a busy machine misleads one process at most.
+timed forwards disagree with (``models.seeding``) is scaled to what the call timed (``calibrate``): the call ran
+the real model, the entry holds a proxy's estimate. So a profile measured on a busy machine, or one a proxy got
+wrong, misleads one process at most.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -47,7 +49,7 @@ Measurer = Callable[..., FormatCost]  # (config, role, format, device, weights, 
 # 5%; the margin keeps a probe that another process slowed from ruling a format out).
 SLOWER_MARGIN = 2.0
 REMEASURE = 1  # a measurement that contradicts itself (``check_cost``) is measured this many more times at most
-STALE = "stale"  # an entry's field, set by ``mark_stale``: why calls disagreed with it (read as absent)
+CALIBRATED = "calibrated"  # an entry's field, set by ``calibrate``: why a call scaled its t(n)
 UNVERIFIED = "unverified"  # an entry's field: why it was cached though it never measured self-consistently
 
 
@@ -70,9 +72,6 @@ def read_entry(key: ProfileKey, cache_dir=None) -> FormatCost | None:
     except ValueError as err:
         logger.warning("hardware profile cache entry %s is damaged (%s); measuring it again", path, err)
         return None
-    if data.get(STALE):
-        logger.info("hardware profile cache entry %s is stale (%s); measuring it again", path, data[STALE])
-        return None
     verdict = check_cost(cost)
     if not verdict.ok and not data.get(UNVERIFIED):
         logger.warning("hardware profile cache entry %s contradicts itself (%s); measuring it again", path,
@@ -93,10 +92,12 @@ def write_entry(key: ProfileKey, cost: FormatCost, cache_dir=None, seconds: floa
     return _write_json(key.path(cache_dir), data)
 
 
-def mark_stale(key: ProfileKey, table: Mapping[int, float], why: str, cache_dir=None) -> bool:
-    """Mark the cached entry of ``key`` stale (``why``: how calls disagreed with it) while it still holds the t(n)
-    ``table`` that was judged (an entry measured again since is left alone): the next ``read_entry`` reads it as
-    absent and ``get_profile`` measures it again. True when it was marked; raises OSError when the cache cannot
+def calibrate(key: ProfileKey, table: Mapping[int, float], factor: float, why: str, cache_dir=None) -> bool:
+    """Scale the cached t(n) of ``key`` by ``factor`` (``why``: how a call's forwards disagreed with it) while it
+    still holds the ``table`` that was judged (an entry measured or calibrated since is left alone): a call timed
+    the real model at its real context, where the entry holds a proxy's estimate (one layer's difference scaled by
+    the layer count, which missed bf16's cost by ~3x on an AVX2-only CPU) or a load's. Measuring it again would
+    repeat the proxy's error in every process. True when it was calibrated; raises OSError when the cache cannot
     be written."""
     path = key.path(cache_dir)
     try:
@@ -106,11 +107,12 @@ def mark_stale(key: ProfileKey, table: Mapping[int, float], why: str, cache_dir=
         return False
     except (KeyError, ValueError):  # a damaged entry: measured again anyway
         return False
-    if cost is None or data.get("key") != key.to_dict() or data.get(STALE) or cost.table != dict(table):
+    if cost is None or data.get("key") != key.to_dict() or cost.table != dict(table):
         return False
-    _write_json(path, {**data, STALE: why})
-    logger.warning("hardware profile cache entry %s disagrees with what a call timed (%s); it is measured again on "
-                   "the next get_profile", path, why)
+    scaled = dataclasses.replace(cost, step=tuple((n, seconds * factor) for n, seconds in cost.step))
+    _write_json(path, {**data, "cost": scaled.to_dict(), CALIBRATED: why})
+    logger.warning("hardware profile cache entry %s disagrees with what a call timed (%s); its t(n) is scaled by "
+                   "%.3g", path, why, factor)
     return True
 
 
@@ -151,7 +153,7 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
     measuring it in full could take minutes (``measure.measure_format(slower_than=)``). A damaged cache entry is
     measured again and a cache that cannot be written is warned about: neither raises. A measurement that is not
     self-consistent (``check_cost``) is measured up to ``REMEASURE`` more times, else cached marked unverified and
-    noted; a cached one that is not (unmarked), or that is stale (``mark_stale``), is measured again.
+    noted; a cached one that is not (unmarked) is measured again.
     """
     device = resolve_device(device)
     measurer = measurer or measure.measure_format
@@ -182,9 +184,9 @@ def get_profile(target=None, draft=None, *, device: str = "cpu", cache_dir=None,
                 _stored(key, cost, cache_dir, time.perf_counter() - start, None if verdict.ok else verdict.why)
                 if not verdict.ok:
                     notes.append(f"{role} {fmt} cached unverified (timed {1 + REMEASURE} times, never "
-                                 f"self-consistent: {verdict.why}); measured again once a call disagrees with it")
+                                 f"self-consistent: {verdict.why}); calibrated by the first call that disagrees")
                     logger.warning("hardware profile: the %s in %s did not measure self-consistently (%s); cached "
-                                   "unverified, measured again once a call disagrees with it", role, fmt, verdict.why)
+                                   "unverified, calibrated by the first call that disagrees", role, fmt, verdict.why)
             if cost is not None:
                 entries[role].append(cost)
     return HardwareProfile(identity, torch.__version__, tuple(entries["target"]), tuple(entries["draft"]),
