@@ -96,9 +96,8 @@ def calibrate(key: ProfileKey, table: Mapping[int, float], factor: float, why: s
     """Scale the cached t(n) of ``key`` by ``factor`` (``why``: how a call's forwards disagreed with it) while it
     still holds the ``table`` that was judged (an entry measured or calibrated since is left alone): a call timed
     the real model at its real context, where the entry holds a proxy's estimate (one layer's difference scaled by
-    the layer count, which missed bf16's cost by ~3x on an AVX2-only CPU) or a load's. Measuring it again would
-    repeat the proxy's error in every process. True when it was calibrated; raises OSError when the cache cannot
-    be written."""
+    the layer count) or a load's. Measuring the proxy again could repeat its error in every process. True when it
+    was calibrated; raises OSError when the cache cannot be written."""
     path = key.path(cache_dir)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
