@@ -209,14 +209,12 @@ def disagreement(seeded: Mapping[int, float], timed: Mapping[int, Sequence[float
 
 def call_end(target, origin: Seeding, timed: Mapping[int, Sequence[float]], rows: int = 1, *,
              cache_dir=None) -> Disagreement | None:
-    """After a call on a memory seeded from a hardware profile (``origin``: what its first call read): the cached
+    """After a call on a memory seeded from the cached profile (``origin``: what its first call read): the cached
     t(n) entry of ``target`` in its format is scaled by the ratio (``store.calibrate``) when the call's own forwards
     (``timed``, one row: a batch's forwards are not the profile's) disagree with it (``disagreement``). Returns
     the disagreement (None: nothing to judge, or agreement). Never raises: a cache that cannot be read or written
     is a warning."""
-    # (a given profile too: ``load_pair``'s is the cached one; ``calibrate`` touches a cache entry only while it
-    # holds the very table the call was seeded with)
-    if rows != 1 or not origin.seeded or origin.source not in (CACHED, GIVEN) or not origin.forward_seconds:
+    if rows != 1 or not origin.seeded or origin.source != CACHED or not origin.forward_seconds:
         return None
     found = disagreement(origin.forward_seconds, timed)
     if found is None:
