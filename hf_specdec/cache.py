@@ -425,10 +425,8 @@ class _LaneCall:
     def __call__(self, input_ids: torch.LongTensor, cache: Cache, position_ids: torch.LongTensor,
                  logits_at: int | None) -> torch.Tensor:
         """Float logits [1, m, V] at the last ``logits_at`` inputs (None: every input)."""
-        if self.cache_keyword == "cache":
-            output = self.base(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
-        else:
-            output = self.base(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        output = self.base(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                           **{self.cache_keyword: cache})
         states = output.last_hidden_state
         return self.head(states if logits_at is None else states[:, -logits_at:]).float()
 
@@ -504,8 +502,7 @@ class KVStore:
         self._fed: dict[int, _Parked] = {}  # rows that stopped early after ``feed``: their padding read
         # the fixed caches' keys and values of every row, kept from the first row selection for ``finish`` (keeps_rows)
         self._fixed_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
-        # the fast lane (class docstring): inputs written in it since the last keep, the position of the first, and,
-        # per n, the device's positions 0..n-1 [1, n]
+        # the fast lane (class docstring): inputs written in it since the last keep, the position of the first
         self._lane_written, self._lane_start, self._lane_ready = 0, 0, None
         self._ranges = _Ranges(next(model.parameters()).device)  # positions and slots, as views
         self._lane_call: _LaneCall | None | object = _UNSET  # made at the first lane forward (``_LaneCall.of``)
@@ -601,13 +598,12 @@ class KVStore:
         slots = self._ranges.host(past + n)[None, past: past + n]  # [1, n], a view: nobody writes into slots
         if self._lane_call is _UNSET:
             self._lane_call = _LaneCall.of(self)
+        positions = self._ranges.device(start + n)[None, start: start + n]  # [1, n] text positions
         if (self._lane_call is not None and call is None and not hidden and not record
-                and not isinstance(logits_at, torch.Tensor)):
-            positions = self._ranges.device(start + n)[None, start: start + n]  # [1, n]: text positions are the model's
+                and not isinstance(logits_at, torch.Tensor)):  # (the lane call's model positions are text positions)
             logits = self._lane_call(batch.input_ids.to(self.device), self.cache, positions, logits_at)
             result = ForwardResult(logits, slots=slots)
         else:
-            positions = self._ranges.device(start + n)[None, start: start + n]
             result = call_model(self.model, batch.input_ids.to(self.device), self.cache, logits_at=logits_at,
                                 position_ids=self.inputs.positions(positions).to(self.device), hidden=hidden,
                                 head=self.head, record=record, model_inputs=self.inputs.step(n), call=call,

@@ -310,6 +310,10 @@ class RoundCost:
         """Seconds of the host work of a round of this kind (0 while unmeasured)."""
         return (self.host(kind) or 0.0) if self.host is not None else 0.0
 
+    def _hosted(self, t: float | None, kind: RoundKind) -> float | None:
+        """A round's forward time ``t`` with its kind's host work (as it is where nothing prices host work)."""
+        return t if t is None or self.host is None else round(t + self.host_seconds(kind), 12)
+
     def __call__(self, n: int, bound: Bound = Bound.EXPECTED, holes: int = 0) -> float | None:
         """Seconds of the target's verify forward over n inputs per row (at the width it runs) that leaves
         ``holes`` inputs per row off the kept path (a trie's other branches: compacted later, at ``hole`` seconds
@@ -342,8 +346,7 @@ class RoundCost:
 
     def step(self) -> float | None:
         """A plain step of these rows, its host work included: the reference every other size is compared to."""
-        t = self(1)
-        return t if t is None or self.host is None else round(t + self.host_seconds(RoundKind.PLAIN), 12)
+        return self._hosted(self(1), RoundKind.PLAIN)
 
     def round(self, k: int, extra: int = 0, bound: Bound = Bound.EXPECTED, with_read: bool = False) -> float | None:
         """T(k): k draft steps and a forward over the last token, the k drafted and ``extra`` more inputs (a
@@ -399,8 +402,7 @@ class RoundCost:
     def trie(self, nodes: int, deepest: int, bound: Bound = Bound.EXPECTED) -> float | None:
         """T of a round verifying a trie of ready-made candidates (no draft forward): ``nodes`` per row, the
         ones off its ``deepest`` candidate left as holes."""
-        t = self(1 + nodes, bound, holes=max(0, nodes - deepest))
-        return t if t is None or self.host is None else round(t + self.host_seconds(RoundKind.TRIE), 12)
+        return self._hosted(self(1 + nodes, bound, holes=max(0, nodes - deepest)), RoundKind.TRIE)
 
     def saved(self, k: int, tokens: float, remaining: int) -> float | None:
         """Seconds rounds of k draft tokens emitting ``tokens`` each save over ``remaining`` tokens against plain
