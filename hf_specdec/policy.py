@@ -874,9 +874,19 @@ def expected_tree(rates: Sequence[Sequence[float]], max_nodes: int) -> list[Expe
     gains fall with depth and rank (they do: rates are at most 1 and a later sibling is accepted only where the
     earlier ones were not).
 
-    >>> [(n.parent, n.rank, n.depth, round(n.gain, 3)) for n in expected_tree([[0.8, 0.8], [0.5, 0.5]], 4)]
-    [(-1, 0, 1, 0.8), (0, 0, 2, 0.64), (-1, 1, 1, 0.5), (0, 1, 2, 0.4)]
+    Siblings are exclusive: of the children of a kept parent at most one is kept (greedy, the target's token is
+    one token; sampled, a round accepts one child at most), so at each depth the ranks' rates sum to at most 1,
+    and a rank counts only what the ranks before it leave (``sibling_rates``). The estimators of the ranks are
+    apart and need not say so: a draft that agrees with the target on every token has rank 0 learned at 1.0
+    while a rank-1 depth its trees seldom reached still holds its prior, and a tree of such siblings would be
+    priced as if it gained tokens it cannot.
+
+    >>> [(n.parent, n.rank, n.depth, round(n.gain, 3)) for n in expected_tree([[0.7, 0.6], [0.2, 0.2]], 4)]
+    [(-1, 0, 1, 0.7), (0, 0, 2, 0.42), (-1, 1, 1, 0.2), (0, 1, 2, 0.14)]
+    >>> [round(n.gain, 3) for n in expected_tree([[1.0, 0.9], [0.15, 0.15]], 4)]  # rank 1: at most 0.0, 0.1
+    [1.0, 0.9, 0.1, 0.0]
     """
+    rates = sibling_rates(rates)
     depth_cap, children = len(rates[0]) if rates else 0, len(rates)
     frontier: list[tuple[float, int, int, int, int]] = []  # (-gain, order, parent, rank, depth)
     order = 0
@@ -897,6 +907,20 @@ def expected_tree(rates: Sequence[Sequence[float]], max_nodes: int) -> list[Expe
     return nodes
 
 
+def sibling_rates(rates: Sequence[Sequence[float]]) -> list[list[float]]:
+    """``rates`` (per rank, per depth) with each rank's rate at most what the ranks before it leave at that depth:
+    the acceptances of a parent's children are exclusive events (``expected_tree``), so they sum to at most 1.
+
+    >>> sibling_rates([[0.75, 0.5], [0.5, 0.25], [0.25, 0.25]])
+    [[0.75, 0.5], [0.25, 0.25], [0.0, 0.25]]
+    """
+    capped: list[list[float]] = []
+    for rank_rates in rates:
+        capped.append([max(0.0, min(rate, 1.0 - sum(earlier[depth] for earlier in capped)))
+                       for depth, rate in enumerate(rank_rates)])
+    return capped
+
+
 def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode]) -> list[float]:
     """For each m, at most the expected tokens per second of the tree of the first m of ``nodes`` (best first): its
     tokens over the least its round costs as ``RoundCost.tree`` prices it: a tree's host work, the target's forward
@@ -905,9 +929,9 @@ def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode]) -> list[fl
 
     >>> from hf_specdec.costmodel import ForwardCost
     >>> price = RoundCost(ForwardCost.from_table({1: 0.1, 8: 0.1}), t_draft=0.01)
-    >>> nodes = expected_tree([[0.8, 0.8], [0.5, 0.5]], 4)
-    >>> [round(bound, 2) for bound in tree_rate_bounds(price, nodes)]  # 4 nodes, depth 2: 3.34 tokens in 0.12 s
-    [16.36, 20.33, 24.5, 27.83]
+    >>> nodes = expected_tree([[0.7, 0.6], [0.2, 0.2]], 4)
+    >>> [round(bound, 2) for bound in tree_rate_bounds(price, nodes)]  # 4 nodes, depth 2: 2.46 tokens in 0.12 s
+    [15.45, 17.67, 19.33, 20.5]
     """
     if price.t_draft is None:
         return []
@@ -926,9 +950,9 @@ def tree_prefixes(nodes: Sequence[ExpectedNode], children: int) -> Iterator[tupl
     m = 1, 2, ...: nodes per depth, the nodes the draft reads per depth (those with a child among the m) and 1 +
     the sum of the gains.
 
-    >>> nodes = expected_tree([[0.8, 0.8], [0.5, 0.5]], 4)
+    >>> nodes = expected_tree([[0.7, 0.6], [0.2, 0.2]], 4)
     >>> [(shape.nodes, shape.expanded, round(tokens, 2)) for shape, tokens in tree_prefixes(nodes, 2)]
-    [((1,), (1,), 1.8), ((1, 1), (1, 1), 2.44), ((2, 1), (1, 1), 2.94), ((2, 2), (1, 1), 3.34)]
+    [((1,), (1,), 1.7), ((1, 1), (1, 1), 2.12), ((2, 1), (1, 1), 2.32), ((2, 2), (1, 1), 2.46)]
     """
     per_depth: list[int] = []
     read: list[set[int]] = [{-1}]  # per depth, the parents of the next depth's nodes

@@ -477,3 +477,25 @@ def test_the_expected_tree_takes_second_choices_where_they_beat_deeper_first_cho
     assert [(node.rank, node.depth) for node in nodes][:4] == [(0, 1), (0, 2), (1, 1), (0, 3)]
     shapes = [shape for shape, _ in tree_prefixes(nodes, 2)]
     assert shapes[2] == TreeShape(nodes=(2, 1), expanded=(1, 1), children=2)
+
+
+def test_a_draft_whose_first_choices_are_always_kept_grows_no_tree():
+    """Chains of 16 kept in full, round after round: rank 0 is learned near 1.0 at every depth, while rank 1, never
+    judged, still holds its prior (0.15) at each. Of a kept parent's children at most one is kept, so a second
+    choice can gain only what the first leaves (``policy.sibling_rates``): a few hundredths, less than an input
+    costs here (1% of a forward), and the planner keeps drafting chains. Priced at its prior instead, each second
+    choice would add 0.15 tokens for that input and every round would grow a tree of siblings that cannot be kept."""
+    cost = lambda n: 0.10 * (1 + 0.01 * (n - 1))  # noqa: E731
+    policy = planner(cost)
+    chain = RoundPlan(model_tokens=16)
+    sources = tuple((Source(SourceKind.DRAFT, 0, depth),) for depth in range(1, 17))
+    proposal = Proposal(tokens=tuple(range(16)), parents=tuple(range(-1, 15)), sources=sources, draft_time=0.16,
+                        draft_forwards=16)
+    for _ in range(40):
+        policy.observe([RoundOutcome(proposal, accepted=tuple(range(16)), next_token=0, emitted=(0,) * 17,
+                                     start_length=10, forward_tokens=17, verify_time=cost(17), plan=chain)])
+    first = policy.acceptance((SourceKind.DRAFT, 0)).rates(16)
+    assert first[0] > 0.95 and min(first[1:]) > 0.99
+    assert policy.acceptance((SourceKind.DRAFT, 1)).rates(16) == [0.15] * 16  # never judged: the prior
+    chosen = plan(policy)
+    assert chosen.tree is None and chosen.model_tokens == 16
