@@ -228,6 +228,26 @@ def test_avx2_like_profile_chooses_by_prompt_length():
     assert C.choose_dtype(plain, C.Workload(prompt_tokens=8, new_tokens=128)).split is None
 
 
+def test_without_a_workload_the_dtype_whose_worst_typical_call_loses_least_is_chosen():
+    """No bf16 units: bf16 is the faster dtype for a short prompt and the slower for a long one, so one dtype
+    loses on some call. Without a workload (``load_pair`` before any prompt) the choice is the dtype whose worst
+    typical call is the least slower than that call's fastest dtype, and the why says both worst cases."""
+    plain = dataclasses.replace(AVX2, draft=())
+    worst = C.worst_calls(plain, ["bf16", "fp32"], C.TYPICAL_CALLS, None)
+    per_call = {call: C.choose_dtype(plain, call).value for call in C.TYPICAL_CALLS}
+    assert set(per_call.values()) == {"bf16", "fp32"}  # neither is the fastest on every call
+    choice = C.choose_dtype(plain)
+    assert choice.value == min(worst, key=lambda f: worst[f][0])
+    other = ({"bf16", "fp32"} - {choice.value}).pop()
+    assert 1.0 < worst[choice.value][0] < worst[other][0]
+    assert all(ratio >= 1.0 for ratio, _ in worst.values())
+    ratio, call = worst[choice.value]
+    assert (f"over calls of 32-512 prompt tokens and 32-128 new tokens, the slowest against the fastest dtype: "
+            f"{choice.value} {ratio:.2f}x (a {call.prompt_tokens}-token prompt, {call.new_tokens} new tokens)"
+            in choice.why)
+    assert "over calls" not in C.choose_dtype(plain, C.Workload()).why  # a given workload: that call alone
+
+
 def test_avx2_like_profile_speculates_in_fp32_with_a_full_precision_draft():
     draft = C.choose_draft_format(AVX2, target_dtype="fp32")
     assert draft.value == "bf16"  # 4-bit is the slowest here; bf16 and fp32 tie within 5%: bf16, half the memory

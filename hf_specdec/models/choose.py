@@ -6,10 +6,14 @@ No rule about CPU flags says what is fast. On an AMD EPYC with AVX2 only, bf16 t
 steps; the 4-bit draft was the slowest draft format there; with a few-hundred-token prompt bf16's compute-bound
 prefill outweighed its faster steps. So the choices are made on measured costs (``profile``):
 
-- ``choose_dtype(profile, workload)``: the target dtype with the lowest expected end-to-end time of a typical
-  call (``Workload``: a 256-token prompt, 128 new tokens, draft acceptance 0.7 per token), prefill included,
-  speculating when that pays at the measured costs (``estimate_call``, ``speculation_verdict``); it reports
-  when prefilling in one dtype and decoding in another would win;
+- ``choose_dtype(profile, workload)``: the target dtype with the lowest expected end-to-end time of the call
+  (``Workload``: prompt and new tokens, draft acceptance 0.7 per token), prefill included, speculating when that
+  pays at the measured costs (``estimate_call``, ``speculation_verdict``); it reports when prefilling in one
+  dtype and decoding in another would win. Without a workload (``load_pair``'s, before any prompt is seen) the
+  calls are unknown, and one dtype can be the faster for some and much the slower for others (no bf16 units:
+  bf16 steps fast and prefills slowly): the choice is the dtype whose worst call of ``TYPICAL_CALLS`` is the
+  least slower than that call's fastest dtype, the promise (never slower than the fastest plain decoding)
+  kept as nearly as one dtype can;
 - ``choose_draft_format(profile, memory_bytes=...)``: the fastest draft format that fits.
 
 Both return a ``Choice``. Profiles can be built from given numbers (``HardwareProfile.from_numbers``), so the
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from ..costmodel import Bound, RoundCost, best_round, prefix_gains
 from .formats import FORMATS, as_format
@@ -55,6 +59,11 @@ class Workload:
             raise ValueError(f"Workload.acceptance must be in [0, 1], got {self.acceptance}")
         if not 0 <= self.max_draft_tokens <= 64:
             raise ValueError(f"Workload.max_draft_tokens must be in [0, 64], got {self.max_draft_tokens}")
+
+
+# The calls a dtype is chosen for when the caller names none: prompts of 32 to 512 tokens, 32 to 128 new tokens,
+# the range first calls are measured on (docs/benchmarks.md), at its ends and middle.
+TYPICAL_CALLS = tuple(Workload(prompt_tokens=prompt, new_tokens=new) for prompt in (32, 128, 512) for new in (32, 128))
 
 
 class ChoiceKind(enum.StrEnum):
@@ -142,18 +151,41 @@ def speculation_verdict(profile: HardwareProfile, dtype: str, workload: Workload
     return v, estimate.draft_tokens > 0
 
 
-def choose_dtype(profile: HardwareProfile, workload: Workload = Workload(), *, draft_format: str | None = None,
+def worst_calls(profile: HardwareProfile, formats: Sequence[str], calls: Sequence[Workload],
+                draft_step: float | None) -> dict[str, tuple[float, Workload]]:
+    """Per format: its largest ratio, over ``calls``, of its expected seconds to the fastest format's for that
+    call, and the call it is reached on.
+
+    >>> from hf_specdec.models.profile import HardwareProfile
+    >>> avx2 = HardwareProfile.from_numbers({"bf16": {1: 0.2, 8: 1.6}, "fp32": {1: 0.4, 8: 1.2}},
+    ...                                     prefill_per_token={"bf16": 0.12, "fp32": 0.024})  # no bf16 units
+    >>> worst = worst_calls(avx2, ["bf16", "fp32"], TYPICAL_CALLS, None)
+    >>> {f: (round(ratio, 2), call.prompt_tokens, call.new_tokens) for f, (ratio, call) in worst.items()}
+    {'bf16': (2.74, 512, 32), 'fp32': (1.78, 32, 128)}
+    """
+    seconds = {call: {f: estimate_call(profile, f, call, draft_step).total_s for f in formats} for call in calls}
+    ratios = {f: [(seconds[call][f] / min(seconds[call].values()), call) for call in calls] for f in formats}
+    return {f: max(ratios[f], key=lambda item: item[0]) for f in formats}
+
+
+def choose_dtype(profile: HardwareProfile, workload: Workload | None = None, *, draft_format: str | None = None,
                  candidates: Iterable[str] | None = None) -> Choice:
     """The target dtype with the lowest expected end-to-end time of ``workload`` (prefill included), speculating
     with the profile's draft (``draft_format``, default its fastest format) where that is faster than plain
-    steps. Reports in ``split`` when prefilling in one dtype and decoding in another would save >= 5%."""
+    steps; without a workload, the dtype whose worst call of ``TYPICAL_CALLS`` is the least slower than that
+    call's fastest dtype (``worst_calls``; ties: the faster for the default ``Workload``), its figures given for
+    the default ``Workload``. Reports in ``split`` when prefilling in one dtype and decoding in another would save
+    >= 5%."""
     formats = [as_format(f) for f in (candidates or profile.target_formats) if as_format(f) in profile.target_formats]
     if not formats:
         raise ValueError(f"the profile has no target measurement to choose from (measured: "
                          f"{', '.join(profile.target_formats) or 'none'})")
     draft_name, draft_step = _fastest_draft_step(profile, draft_format)
+    calls = TYPICAL_CALLS if workload is None else (workload,)
+    workload = workload or Workload()
     estimates = {f: estimate_call(profile, f, workload, draft_step) for f in formats}
-    best = min(formats, key=lambda f: (estimates[f].total_s, formats.index(f)))
+    worst = worst_calls(profile, formats, calls, draft_step) if len(calls) > 1 else {}
+    best = min(formats, key=lambda f: (worst[f][0] if worst else 0.0, estimates[f].total_s, formats.index(f)))
     chosen = estimates[best]
     label = profile.device.label
     v, can_pay = speculation_verdict(profile, best, workload, draft_step)
@@ -169,6 +201,15 @@ def choose_dtype(profile: HardwareProfile, workload: Workload = Workload(), *, d
               f"{_secs(estimates[f].decode_s)})" for f in formats if f != best]
     if others:
         parts.append("vs " + ", ".join(others))
+    if worst:
+        def at_worst(f: str) -> str:
+            ratio, call = worst[f]
+            return f"{f} {ratio:.2f}x (a {call.prompt_tokens}-token prompt, {call.new_tokens} new tokens)"
+
+        prompts, news = (sorted({getattr(call, name) for call in calls}) for name in ("prompt_tokens", "new_tokens"))
+        parts.append(f"over calls of {prompts[0]}-{prompts[-1]} prompt tokens and {news[0]}-{news[-1]} new tokens, "
+                     f"the slowest against the fastest dtype: " + ", ".join(at_worst(f) for f in
+                                                                       sorted(formats, key=lambda f: worst[f][0])))
     parts.append(f"verifying {VERIFY_PROBE} tokens costs {v:.2f} steps in {best} on {label}: {guesses}")
     split = None
     if len(formats) > 1:

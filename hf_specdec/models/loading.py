@@ -85,7 +85,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
                               log=_stderr if progress else None)
     profile.check_model(role, config)
     if role == "target":
-        choice = choose_dtype(profile, workload or Workload())
+        choice = choose_dtype(profile, workload)
         return (*format_load_args(choice.value, device), choice)  # a dtype, or fp32 and its layout
     candidates = list(profile.draft_formats)
     if dtype != "auto":  # a dtype was given: that dtype unquantized, or one of the quantized formats
@@ -97,7 +97,7 @@ def choose_load_format(resolved: ResolvedRef, dtype, quantize, device: str, *, p
     if not candidates:
         raise ValueError(f"quantize='auto': the hardware profile has no draft format to choose from for {resolved.ref!r}"
                          f" (measured: {', '.join(profile.draft_formats) or 'none'}; {'; '.join(profile.notes)})")
-    target_dtype = choose_dtype(profile, workload or Workload()).value if profile.target else None
+    target_dtype = choose_dtype(profile, workload).value if profile.target else None
     choice = choose_draft_format(profile, memory_bytes=memory_bytes if memory_bytes is not None else
                                  available_memory_bytes(device), target_dtype=target_dtype, candidates=candidates)
     torch_dtype, quantize = format_load_args(choice.value, device)
