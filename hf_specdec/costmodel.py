@@ -822,6 +822,18 @@ class Estimates:
         return self.draft_step.scaled(rows, like=self.draft_rows if self.draft_rows.largest else self.forward)
 
 
+def reads_wait(device: torch.device) -> bool:
+    """Does reading a value the model computed on ``device`` back to the host wait for the device's queue? On a
+    GPU (CUDA, and every accelerator torch queues kernels on) the host runs ahead of the kernels it launched, and a
+    read stops it until they have run: a round that reads after every draft step cannot launch the next one
+    early. On a CPU each op has run when it returns, and a read costs only itself.
+
+    >>> reads_wait(torch.device("cpu")), reads_wait(torch.device("cuda", 0))
+    (False, True)
+    """
+    return device.type != "cpu"
+
+
 # -- offline measurement --------------------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

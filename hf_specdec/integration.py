@@ -27,7 +27,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, StopStringCriteri
 from . import cache as kv
 from .compiled import verifier_for
 from .config import LookaheadConfig, PolicyKind, SpecConfig, TreeMode, auto_draft_vocab_size
-from .costmodel import Estimates
+from .costmodel import Estimates, reads_wait
 from .drafters.base import DraftCall, DraftKind, DraftSource
 from .drafters.early_exit import EarlyExit
 from .drafters.lookahead import LookaheadSource
@@ -110,8 +110,8 @@ def speculative_generate(
             call, model_inputs=_draft_inputs(draft, inputs, draft_model_inputs, inputs_tensor),
             draft_vocab_size=_draft_vocab_size(config, inputs.vocab_size) if ed.draft_reads_ids_only(draft) else None)
     drafter = source.drafter(call)
-    return _run(model, inputs, drafter, make_policy(config, estimates, width=inputs.verifier.width), spec_streamer,
-                generation_config, "speculative", origin)
+    policy = make_policy(config, estimates, width=inputs.verifier.width, reads_wait=reads_wait(model.device))
+    return _run(model, inputs, drafter, policy, spec_streamer, generation_config, "speculative", origin)
 
 
 def lookahead_generate(

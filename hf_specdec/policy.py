@@ -60,7 +60,9 @@ drafts anyway so that the estimates can recover when the text becomes predictabl
 
 With ``confidence_stop`` (the default) k* only decides whether to speculate at all; a speculating round may
 then run up to ``max_draft_tokens`` and stops where the draft's confidence says the next token is not worth its
-cost (``AdaptiveChainRule.keep_drafting``). With P_i the calibrated probability that draft tokens 1..i are all
+cost (``AdaptiveChainRule.keep_drafting``); it reads the draft's token after every step, so where a read waits
+for the device's queue (a GPU: ``costmodel.reads_wait``) a round drafts k* on the device instead and reads once
+(so does a batch, which has no in-round rule). With P_i the calibrated probability that draft tokens 1..i are all
 accepted, the round so far is worth E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d + t(i+1). Token i+1 adds
 about P_i * a_{i+1} tokens for t_d + t(i+2) - t(i+1) more time, with a_{i+1} predicted by the calibrated
 confidence of token i (confidence comes in stretches), so drafting goes on only while
@@ -333,14 +335,18 @@ class PlannerSettings:
     remeasure_interval: int = 16
 
     @classmethod
-    def speculative(cls, config: SpecConfig) -> "PlannerSettings":
-        """A draft model's chain, with prompt lookup beside it when ``config.history_lookup``."""
+    def speculative(cls, config: SpecConfig, reads_wait: bool = False) -> "PlannerSettings":
+        """A draft model's chain, with prompt lookup beside it when ``config.history_lookup``. ``reads_wait``: the
+        model runs where reading a value back waits for the device's queue (``costmodel.reads_wait``): the chain
+        has no in-round rule (no confidence stop, no lookup tail, each of which reads the draft's tokens after
+        every step), so its k draft steps run on the device and the round reads once."""
         return cls(max_regret=config.max_regret, decay=config.decay,
                    max_depth=max(config.max_draft_tokens, MAX_LOOKUP),
                    max_forward_tokens=1 + LEADING_LOOKUP if config.history_lookup else 1,
                    num_draft_tokens=config.num_draft_tokens, max_draft_tokens=config.max_draft_tokens,
-                   confidence_stop=config.confidence_stop, probe_interval=config.probe_interval,
-                   setup_margin=config.setup_margin, lookup_tail=config.history_lookup, batch_candidates=False,
+                   confidence_stop=config.confidence_stop and not reads_wait, probe_interval=config.probe_interval,
+                   setup_margin=config.setup_margin, lookup_tail=config.history_lookup and not reads_wait,
+                   batch_candidates=False,
                    tree=TreeMode(config.tree) if config.policy == PolicyKind.ADAPTIVE else TreeMode.OFF)
 
     @classmethod
@@ -395,8 +401,8 @@ class Planner:
 
     @classmethod
     def speculative(cls, config: SpecConfig, estimates: Estimates | None = None,
-                    width: Callable[[int], int] | None = None) -> "Planner":
-        return cls(PlannerSettings.speculative(config), estimates, width)
+                    width: Callable[[int], int] | None = None, reads_wait: bool = False) -> "Planner":
+        return cls(PlannerSettings.speculative(config, reads_wait), estimates, width)
 
     @classmethod
     def lookahead(cls, config: LookaheadConfig, estimates: Estimates | None = None,
@@ -452,7 +458,7 @@ class Planner:
         """The in-round rule of a chain drafted this round, over this round's price."""
         price = price if price is not None else self.price()
         most = self.settings.max_draft_tokens
-        lookup = self.settings.lookup_tail and price.rows == 1
+        lookup = self._lookup_tail(price.rows)
         return AdaptiveChainRule(
             price=price, bin_kept=tuple(self.calibration.kept), bin_judged=tuple(self.calibration.judged),
             bin_weight=self.calibration.weight,
@@ -499,6 +505,9 @@ class Planner:
     def _confidence_stop(self, rows: int) -> bool:
         return self.settings.confidence_stop and rows == 1
 
+    def _lookup_tail(self, rows: int) -> bool:
+        return self.settings.lookup_tail and rows == 1
+
     # -- the draft model's chain ----------------------------------------------------------------------------------
     def _decide_chain(self, price: RoundCost, views: Sequence[RowView], offers: Sequence[Offer]) -> Decision:
         room = max((view.budget for view in views), default=0)
@@ -514,7 +523,7 @@ class Planner:
         if price.t_draft is None:  # t_d unknown: draft the starting k once, measure it
             return [RoundPlan(model_tokens=min(decision.k, budget), max_tokens=budget, probe=decision.probe)
                     for budget in budgets]
-        rule = self.rule(price)
+        rule = self.rule(price) if self._confidence_stop(price.rows) or self._lookup_tail(price.rows) else None
         return [RoundPlan(model_tokens=min(decision.k, budget, offer.model_tokens), max_tokens=budget, rule=rule,
                           probe=decision.probe) for budget, offer in zip(budgets, offers)]
 
@@ -838,16 +847,16 @@ class CappedPolicy:
 
 
 def make_policy(config: SpecConfig | LookaheadConfig, estimates: Estimates | None = None,
-                width: Callable[[int], int] | None = None) -> Policy:
-    """The policy a call's config asks for: the planner (``width``: ``Planner``'s), or a draft model's fixed or
-    heuristic k."""
+                width: Callable[[int], int] | None = None, reads_wait: bool = False) -> Policy:
+    """The policy a call's config asks for: the planner (``width``: ``Planner``'s; ``reads_wait``:
+    ``PlannerSettings.speculative``'s), or a draft model's fixed or heuristic k."""
     if isinstance(config, LookaheadConfig):
         return Planner.lookahead(config, estimates, width)
     if config.policy == PolicyKind.FIXED:
         return FixedPolicy(config.num_draft_tokens)
     if config.policy == PolicyKind.HEURISTIC:
         return HeuristicPolicy(config.num_draft_tokens, config.max_draft_tokens)
-    return Planner.speculative(config, estimates, width)
+    return Planner.speculative(config, estimates, width, reads_wait)
 
 
 # ----------------------------------------------------------------------------------------------------------------

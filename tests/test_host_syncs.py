@@ -217,6 +217,20 @@ def test_speculative_greedy_chain_reads_once_per_round(pair, prompt, case):
     _one_per_round(reads, stats, per_draft_step)
 
 
+def test_where_reads_wait_for_the_device_the_defaults_chain_reads_once_per_round(pair, prompt, monkeypatch):
+    """On a GPU a read waits for the device's queue (``costmodel.reads_wait``): the defaults' chain then has no
+    in-round rule (no confidence stop, no lookup tail), its draft steps run on the device, and the round reads
+    once. This machine has no GPU: the call is told its device's reads wait."""
+    target, _ = pair
+    monkeypatch.setattr(hf_specdec.integration, "reads_wait", lambda device: True)
+    reference = type(target).generate(target, prompt, max_new_tokens=NEW, do_sample=False)
+    out, reads = _speculative(pair, prompt, {"tree": "off"}, do_sample=False)
+    assert torch.equal(out, reference)
+    stats = target.last_spec_stats.get()
+    assert stats.accepted > 0 and not stats.tree_rounds and stats.drafted > stats.forwards  # chains of several
+    _one_per_round(reads, stats)
+
+
 def test_lookahead_greedy_reads_once_per_round(pair):
     target, _ = pair
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
