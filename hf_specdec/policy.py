@@ -592,29 +592,29 @@ class Planner:
         limit = min(MAX_TREE_NODES, max(8 if rows == 1 else 1, 2 * self.estimates.forward.largest // rows) - 1)
         rates = [self.acceptance((SourceKind.DRAFT, rank)).rates(depth) for rank in range(TREE_CHILDREN)]
         nodes = expected_tree(rates, limit)
-        chain = best_round(price, prefix_gains(rates[0]), depth) if mode is TreeMode.AUTO else None
+        # the first m nodes branch from the first node of rank > 0 on (nodes come best first); fewer are a chain,
+        # which the chain's own price sizes
+        branching = next((m for m, node in enumerate(nodes) if node.rank > 0), len(nodes))
+        floor = 0.0  # "on": the best tree that branches; "auto": only one that beats the best chain as deep
+        if mode is TreeMode.AUTO:
+            chain = best_round(price, prefix_gains(rates[0]), depth)
+            if chain is None:
+                return None
+            floor = chain.rate
         bounds = tree_rate_bounds(price, nodes)
-        if chain is not None and max(bounds, default=0.0) <= chain.rate:
+        if mode is TreeMode.AUTO and max(bounds[branching:], default=0.0) <= floor:
             return None  # no tree can beat the chain: the shapes need not be priced
-        best = best_branching = None
+        best = None
         for m, (shape, tokens) in enumerate(tree_prefixes(nodes, TREE_CHILDREN)):
-            to_beat = (best_branching.rate if best_branching else 0.0) if chain is None else max(
-                chain.rate, best.rate if best else 0.0)
-            if m < len(bounds) and bounds[m] <= to_beat:
-                continue  # a shape that cannot change the answer is not priced
+            if m < branching or (m < len(bounds) and bounds[m] <= max(floor, best.rate if best else 0.0)):
+                continue  # a chain, or a shape that cannot change the answer: not priced
             seconds = price.tree(shape)
             if seconds is None:
                 break
             choice = TreeChoice(shape, tokens, seconds)
             if best is None or choice.rate > best.rate:
                 best = choice
-            if shape.branches and (best_branching is None or choice.rate > best_branching.rate):
-                best_branching = choice
-        if mode is TreeMode.ON:
-            return best_branching
-        if best is None or not best.shape.branches or chain is None or best.rate <= chain.rate:
-            return None
-        return best
+        return best if best is not None and best.rate > floor else None
 
     # -- ready-made candidates: a trie ----------------------------------------------------------------------------
     def _affordable(self, price: RoundCost, limit: int) -> int:
