@@ -20,25 +20,31 @@ the end of a call: growing them would change every width's shapes). The price of
 price of its width (``CompiledVerify.width``: the cost model's width(n)).
 
 Terms: a *width* is the number of inputs per row of a compiled forward; a *verifier* runs a round's verify forward
-over the store (``Verifier``: ``EAGER``, or a ``CompiledVerify``).
+over the store, or a draft model's step over its own (``Verifier``: ``EAGER``, or a ``CompiledVerify``).
 
-The draft model's single step is the same thing at one width (``CompiledVerify.draft_step``: width 1 over a draft
-store that has a static cache); a draft's store has a dynamic cache today, so nothing uses it yet. On a CPU, the
-tests compile with the ``aot_eager`` backend (the graph capture, padding and cache handling all run; the kernels are
-eager ones, bit-identical to eager).
+The draft model's single step is the same thing at one width (``CompiledVerify.draft_step``: width 1). Where the
+call's verify compiles, a draft model's store gets a static cache of its own (``Verifier.store_cache``) and its
+one-token-per-row forwards run through the draft's own compiled call, with the target's compile config
+(``Verifier.for_draft``: where the draft itself meets transformers' criterion); where the verify runs eagerly, so
+does the draft, over a dynamic cache. Which draft forwards run compiled is said in ``drafters/draft_model.py``. On
+a CPU, the tests compile with a counting backend (the graph capture, padding and cache handling all run; the
+kernels are eager ones, bit-identical to eager).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, DynamicCache, EncoderDecoderCache, GenerationConfig, StaticCache
+from transformers.cache_utils import Cache
 
 from .backends import Buffers
-from .cache import NOTHING, ForwardResult, KVStore, LogitsAt, Recording, _select, split_cache
+from .cache import NOTHING, Continue, ForwardResult, KVStore, LogitsAt, Recording, _select, split_cache
+from .encoder_decoder import reads_encoder
 from .layout import BatchInputs
 
 
@@ -82,14 +88,29 @@ def padded(batch: BatchInputs, width: int) -> BatchInputs:
     return BatchInputs(input_ids, offsets, valid, inner)
 
 
+After = torch.LongTensor | Continue | None  # ``KVStore.forward``'s ``after``: the written path each row continues
+
+
 class Verifier(Protocol):
-    """Runs a round's verify forward over the target's store (``KVStore.forward``'s inputs and result: logits at
-    ``logits_at``, ``slots`` [B, n])."""
+    """Runs a round's verify forward over the target's store, or a draft model's step over its own
+    (``KVStore.forward``'s inputs and result: logits at ``logits_at``, ``slots`` [B, n])."""
 
     def width(self, n: int) -> int: ...
 
-    def forward(self, store: KVStore, batch: BatchInputs, *, logits_at: LogitsAt = None,
+    def forward(self, store: KVStore, batch: BatchInputs, *, after: After = None, logits_at: LogitsAt = None,
                 record: Recording = NOTHING) -> ForwardResult: ...
+
+    @property
+    def takes_head(self) -> bool:
+        """Do its forwards take the store's own output layer (``KVStore(head=)``, a draft's narrowed vocabulary)?
+        An eager forward does; a compiled one runs the model's own forward, output layer included."""
+
+    def for_draft(self, draft) -> "Verifier":
+        """The runner of a draft model's single steps in a call this verifier verifies."""
+
+    def store_cache(self, model, columns: int) -> Cache | None:
+        """The cache a store of ``model`` this runner runs over is made with, for a call that holds ``columns``
+        columns (None: the store's own, dynamic)."""
 
 
 @dataclass(frozen=True)
@@ -100,9 +121,21 @@ class Eager:
         """n inputs cost a forward of n."""
         return n
 
-    def forward(self, store: KVStore, batch: BatchInputs, *, logits_at: LogitsAt = None,
+    def forward(self, store: KVStore, batch: BatchInputs, *, after: After = None, logits_at: LogitsAt = None,
                 record: Recording = NOTHING) -> ForwardResult:
-        return store.forward(batch, logits_at=logits_at, record=record)
+        return store.forward(batch, after=after, logits_at=logits_at, record=record)
+
+    @property
+    def takes_head(self) -> bool:
+        return True
+
+    def for_draft(self, draft) -> "Eager":
+        """An eager verify: the draft steps eagerly too."""
+        return self
+
+    def store_cache(self, model, columns: int) -> None:
+        """A dynamic cache, the store's own."""
+        return None
 
 
 EAGER = Eager()
@@ -110,13 +143,15 @@ EAGER = Eager()
 
 @dataclass(frozen=True)
 class CompiledVerify:
-    """The target's forward compiled (``call``: transformers' ``get_compiled_call``), run at ``buckets``' widths
-    over a static cache's store. A forward it cannot run compiled runs eagerly: a round wider than every width,
-    one that records hidden states or attentions (their tuples vary by call), a store with a dynamic cache or with
-    model inputs besides tokens (images, token types)."""
+    """The target's forward compiled (``call``: transformers' ``get_compiled_call`` with ``config``), run at
+    ``buckets``' widths over a static cache's store. A forward it cannot run compiled runs eagerly: a round wider
+    than every width, one that records hidden states or attentions (their tuples vary by call), a store with a
+    dynamic cache or with model inputs besides tokens (images, token types). A draft model's steps are one
+    (``draft_step``), at width 1."""
 
     call: Callable
     buckets: Buckets = Buckets()
+    config: CompileConfig | None = None  # what ``call`` compiles with, which a draft's step compiles with too
 
     def width(self, n: int) -> int:
         """The width n inputs per row are verified at (n itself past the widest: eager)."""
@@ -130,18 +165,50 @@ class CompiledVerify:
         return (width is not None and not record and store.buffers is not None and not store.inputs.step(n)
                 and store.width + store.num_written + width <= store.buffers.width)
 
-    def forward(self, store: KVStore, batch: BatchInputs, *, logits_at: LogitsAt = None,
+    def forward(self, store: KVStore, batch: BatchInputs, *, after: After = None, logits_at: LogitsAt = None,
                 record: Recording = NOTHING) -> ForwardResult:
         n = int(batch.input_ids.shape[1])
         if not self.runs(store, n, record):
-            return store.forward(batch, logits_at=logits_at, record=record)
-        result = store.forward(padded(batch, self.width(n)), call=self.call)  # logits at every input: one shape
+            return store.forward(batch, after=after, logits_at=logits_at, record=record)
+        width = self.width(n)
+        if isinstance(after, torch.Tensor) and after.dim() == 2:  # a path per input: the padding continues the last's
+            after = torch.cat([after, after[:, -1:].expand(-1, width - n)], dim=1)
+        result = store.forward(padded(batch, width), after=after, call=self.call)  # logits at every input: one shape
         return dataclasses.replace(result, logits=_select(result.logits[:, :n], logits_at), slots=result.slots[:, :n])
 
     @classmethod
-    def draft_step(cls, call: Callable) -> "CompiledVerify":
+    def draft_step(cls, call: Callable, config: CompileConfig | None = None) -> "CompiledVerify":
         """A draft model's single step compiled the same way: one width, 1 (a draft store with a static cache)."""
-        return cls(call, Buckets((1,)))
+        return cls(call, Buckets((1,)), config)
+
+    @property
+    def takes_head(self) -> bool:
+        """No: its call is the model's own compiled forward (transformers keeps it on the model, so later calls
+        reuse its graphs; a call of the base model under a head of the store's own would be compiled anew)."""
+        return False
+
+    def for_draft(self, draft) -> Verifier:
+        """The draft's steps compiled with this verify's config (``draft_step`` over the draft's own
+        ``get_compiled_call``), where the draft itself compiles as transformers decides it for the target (its
+        device, its quantizer, its offload, over a static cache of its own: ``compile_config_for``); else
+        ``EAGER``. An encoder-decoder draft steps eagerly (its static cache would be an encoder-decoder's)."""
+        if self.config is None:
+            return EAGER
+        text = draft.config.get_text_config(decoder=True)
+        static = StaticCache(config=text, max_cache_len=1)  # (lazy: nothing is allocated)
+        cache = EncoderDecoderCache(static, DynamicCache(config=text)) if reads_encoder(draft) else static
+        # a copy: transformers' criterion may turn ``fullgraph`` off in the config it is given (flash attention)
+        config = compile_config_for(draft, GenerationConfig(compile_config=copy.copy(self.config)), cache)
+        if config is None:
+            return EAGER
+        return CompiledVerify.draft_step(draft.get_compiled_call(config), config)
+
+    def store_cache(self, model, columns: int) -> Cache | None:
+        """A ``StaticCache`` of ``columns`` columns for ``model``; None (a dynamic cache, eager steps) where the
+        store could not speculate on its buffers (sliding-window layers narrower than ``columns``)."""
+        static = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=columns)
+        buffers = Buffers.of(static.layers)
+        return static if buffers is not None and buffers.refusal() is None else None
 
 
 def compile_config_for(model, generation_config, cache) -> CompileConfig | None:
@@ -158,7 +225,10 @@ def compile_config_for(model, generation_config, cache) -> CompileConfig | None:
     if not model._valid_auto_compile_criteria({"cache": cache}, generation_config):
         return None
     config = generation_config.compile_config or model._default_compile_config()
-    return dataclasses.replace(config, dynamic=False)
+    compiled = dataclasses.replace(config, dynamic=False)
+    compiled._compile_all_devices = config._compile_all_devices  # (transformers' flag, not a field: a draft's
+    # criterion reads it, ``CompiledVerify.for_draft``)
+    return compiled
 
 
 def verifier_for(model, generation_config, cache) -> Verifier:
@@ -168,4 +238,4 @@ def verifier_for(model, generation_config, cache) -> Verifier:
     config = compile_config_for(model, generation_config, cache)
     if config is None:
         return EAGER
-    return CompiledVerify(model.get_compiled_call(config))
+    return CompiledVerify(model.get_compiled_call(config), config=config)

@@ -7,7 +7,9 @@ static buffers all run as they would under inductor or CUDA graphs, and the coun
 compiled and how many graphs there were. Checked: greedy identical to plain ``generate`` and to hf_specdec's eager
 path (fp32; speculative and lookahead; one prompt and a padded batch of two; every call drafted and ran compiled
 verifies), sampling has the target's distribution on the compiled path (chi-square, as in tests/test_sampling.py),
-a draft model's single step compiled at width 1, the width chosen for a round, and when a call compiles
+a draft model's single step compiled at width 1, on its own and in a call whose verify compiles (the draft's graphs
+told apart from the target's by the parameters they read; greedy plain's, sampled the target's distribution; a
+dynamic-cache call steps eagerly), the width chosen for a round, and when a call and its draft compile
 (transformers' criterion: ``compile_config`` on every device, a static cache, no ``disable_compile``).
 """
 
@@ -17,16 +19,18 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
+from transformers import (CompileConfig, DynamicCache, GenerationConfig, StaticCache, T5Config,
+                          T5ForConditionalGeneration)
 
 import hf_specdec
 from hf_specdec import compiled
+from hf_specdec.backends import Buffers
 from hf_specdec.cache import KVStore, Recording
 from hf_specdec.compiled import EAGER, Buckets, CompiledVerify, compile_config_for, padded, verifier_for
 from hf_specdec.layout import BatchInputs
 from hf_specdec.models.tiny import perturbed_copy, tiny_model
 from hf_specdec.stats import last_spec_stats
-from tests.test_cache_in import BATCH, BATCH_MASK, PROMPT, assert_drafted, mode
+from tests.test_cache_in import BATCH, BATCH_MASK, PROMPT, _mistral, assert_drafted, mode
 from tests.test_sampling import (NEW as SAMPLED_NEW, PROMPT as SAMPLED_PROMPT, SAMPLING, assert_fits,
                                  exact_distribution, processors, sampling_model, speculative)
 
@@ -38,23 +42,36 @@ DRAWS = 600
 
 
 class GraphCounter:
-    """A torch.compile backend that runs each captured graph as it is, counting the graphs and their calls. A
-    ``CompileConfig`` deep-copies its backend (``to_dict``): the copy is the counter itself."""
+    """A torch.compile backend that runs each captured graph as it is, counting the graphs and their calls, and
+    per graph the calls and the tensors it reads (its inputs' storage, parameters included: dynamo passes a
+    module's parameters in as inputs), so that ``calls_of(model)`` counts the calls of the graphs of ``model``'s
+    forward. A ``CompileConfig`` deep-copies its backend (``to_dict``): the copy is the counter itself."""
 
     def __init__(self) -> None:
         self.graphs, self.calls = 0, 0
+        self.read: list[frozenset[int]] = []  # per graph: the data pointers of its inputs
+        self.graph_calls: list[int] = []  # per graph: its calls
 
     def __deepcopy__(self, memo) -> "GraphCounter":
         return self
 
     def __call__(self, graph, example_inputs, **options):
+        index = self.graphs
         self.graphs += 1
+        self.read.append(frozenset(t.data_ptr() for t in example_inputs if isinstance(t, torch.Tensor)))
+        self.graph_calls.append(0)
 
         def run(*args):
             self.calls += 1
+            self.graph_calls[index] += 1
             return graph.forward(*args)
 
         return run
+
+    def calls_of(self, model) -> int:
+        """Calls of the graphs that read ``model``'s parameters (its forward's, or its base model's)."""
+        weights = {parameter.data_ptr() for parameter in model.parameters()}
+        return sum(calls for read, calls in zip(self.read, self.graph_calls) if read & weights)
 
 
 def counting_config(counter: GraphCounter) -> CompileConfig:
@@ -120,7 +137,7 @@ def test_a_second_call_reuses_the_graphs(pair, counter):
 
 def test_sampling_on_the_compiled_path_has_the_targets_distribution():
     """The perturbed draft of tests/test_sampling.py, fixed k = 4; each call's verifies run compiled (a static
-    cache passed in, with room for every width's padding)."""
+    cache passed in, with room for every width's padding), and so do the draft's sampled steps."""
     target = sampling_model()
     draft = perturbed_copy(target, 0.01)
     exact = exact_distribution(target, SAMPLED_PROMPT, SAMPLED_NEW, processors(**SAMPLING))
@@ -137,7 +154,7 @@ def test_sampling_on_the_compiled_path_has_the_targets_distribution():
         key = tuple(out[0, SAMPLED_PROMPT.shape[1]:].tolist())
         counts[key] += 1
         accepted += last_spec_stats(target).accepted
-    assert accepted > 0
+    assert accepted > 0 and counter.calls_of(draft) > 0
     assert_fits(counts, exact)
 
 
@@ -159,6 +176,58 @@ def test_a_draft_models_single_step_compiled(pair):
     reference = type(model).generate(model, PROMPT, max_new_tokens=NEW, do_sample=False)
     assert tokens == reference[0, PROMPT.shape[1]:].tolist()
     assert counter.graphs == 1 and counter.calls == NEW - 1
+
+
+@pytest.mark.parametrize("rows", ["one", "batch", "narrowed"])
+def test_a_draft_models_steps_compile_where_the_verify_does(pair, counter, rows):
+    """Where the call's verify compiles, the draft model's store has a static cache and its one-token steps run
+    through the draft's own compiled call (``CompiledVerify.for_draft``): the draft's graphs are called, every call
+    drafts, greedy is plain's (one prompt, a left-padded batch of two). "narrowed": a draft asked to score a
+    narrowed vocabulary (``draft_vocab_size``) steps compiled over its whole one (its own forward's output layer)."""
+    model, draft = pair
+    ids, given = (BATCH, dict(attention_mask=BATCH_MASK)) if rows == "batch" else (PROMPT, {})
+    spec = mode("speculative", draft)
+    if rows == "narrowed":
+        spec["spec_config"] = {**spec["spec_config"], "draft_vocab_size": 32}  # of 96 ids
+    reference = plain(model, ids, **given)
+    calls = counter.calls_of(draft)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, cache_implementation="static",
+                         compile_config=counting_config(counter), **given, **spec)
+    assert_drafted(model, "speculative")
+    assert counter.calls_of(draft) > calls, "the draft's steps ran compiled"
+    assert torch.equal(out, reference)
+
+
+def test_a_dynamic_cache_call_steps_its_draft_eagerly(pair):
+    """No static cache: the verify runs eagerly (as plain's forward would), and so does the draft: no graphs."""
+    model, draft = pair
+    counter = GraphCounter()
+    out = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False, compile_config=counting_config(counter),
+                         **mode("speculative", draft))
+    assert_drafted(model, "speculative")
+    assert counter.graphs == 0 and counter.calls == 0
+    assert torch.equal(out, type(model).generate(model, PROMPT, max_new_tokens=NEW, do_sample=False))
+
+
+def test_a_drafts_step_runner(pair):
+    """A compiled verify's draft steps: width 1, the verify's config, over a static cache of the call's columns
+    (none where the store could not speculate on one: sliding-window layers narrower than the call); an eager
+    verify's, an encoder-decoder draft's: eager, over the store's dynamic cache."""
+    model, draft = pair
+    static = StaticCache(config=model.config, max_cache_len=32)
+    verifier = verifier_for(model, GenerationConfig(compile_config=counting_config(GraphCounter())), static)
+    step = verifier.for_draft(draft)
+    assert step.buckets.widths == (1,) and step.config.dynamic is False and step.config.backend is \
+        verifier.config.backend
+    cache = step.store_cache(draft, 40)
+    assert type(cache) is StaticCache and Buffers.of(cache.layers).width == 40
+    windowed = _mistral()  # sliding_window=8
+    assert step.store_cache(windowed, 8) is not None and step.store_cache(windowed, 40) is None
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+                                             decoder_start_token_id=0))
+    assert verifier.for_draft(t5) is EAGER
+    assert EAGER.for_draft(draft) is EAGER and EAGER.store_cache(draft, 40) is None
+    assert verifier_for(model, GenerationConfig(), static).for_draft(draft) is EAGER  # a CPU, nothing asked
 
 
 def test_the_width_of_a_round():

@@ -22,6 +22,15 @@ Two savings that leave the output unchanged (the target verifies every token):
 
 A plan with a ``tree`` grows a tree of the draft's likely continuations instead of a chain (``draft_tree.py``:
 one batched draft forward per depth over its frontier, every node continuing its parent's path in the cache).
+
+Where the call's verify runs compiled (``compiled.py``), the draft's store has a static cache of its own and every
+forward of one token per row runs through the draft's own compiled call at width 1 (the drafter's ``step``, a
+``compiled.Verifier``: ``CompiledVerify.draft_step``, else ``EAGER`` and a dynamic cache): a chain's steps after
+the first, and a round's first step where every row feeds one token. The prompt read, a first step that feeds more
+tokens (the two after a round whose draft was all accepted, a catch-up) and a tree's frontiers run eagerly. There
+the draft scores its whole vocabulary (no ``SubVocabHead``): the compiled call is the draft's own forward, output
+layer included, which transformers keeps on the model so that later calls reuse its graphs. An early-exit view
+(``drafters/early_exit.py``) steps eagerly.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from .. import cache as kv
+from ..compiled import EAGER, Verifier
 from ..inputs import NO_INPUTS, ModelInputs
 from ..layout import NOTHING_READ, BatchInputs, RoundLayout, positions, stack_layouts
 from ..processors import process_rows
@@ -83,7 +93,8 @@ class DraftModelDrafter(Drafter):
     rounds; all rows draft in one batched forward per step (module docstring).
 
     A round writes, per row, the tokens committed since the store's last keep and then each drafted token that
-    another step needed, one forward per step, each continuing the row's previous slot (``forward(after=)``);
+    another step needed, one forward per step (through ``step``: compiled or eager, module docstring), each
+    continuing the row's previous slot (``forward(after=)``);
     ``_written[r]`` lists those slots (a chain's in sequence order). A tree round writes the committed tokens
     (``_caught_up[r]`` slots) and then, depth by depth, the nodes it reads, each continuing its parent's slot
     (``_node_slots[r]``: proposal node -> slot). ``update`` keeps the slots of the tokens the target agreed with
@@ -102,8 +113,10 @@ class DraftModelDrafter(Drafter):
         pad_token_id: int = 0,
         model_inputs: ModelInputs = NO_INPUTS,  # the draft's other inputs (``inputs.py``): token types, images
         batch: int = 1,  # the caller's rows: its processors are called over them (``processors.process_rows``)
+        step: Verifier = EAGER,  # runs the forwards of one token per row (module docstring)
     ) -> None:
         self.batch = batch
+        self.step = step
         self.model = draft_model
         self.inputs = model_inputs
         self.logits_processor = logits_processor
@@ -138,7 +151,11 @@ class DraftModelDrafter(Drafter):
         columns, left-padded."""
         start = time.perf_counter()
         attention = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        self.cache = kv.KVStore(self.model, attention, head=self._narrow_head(views))
+        # a static cache where the steps compile: the prompts (left-padded) and every token the call may still add
+        # (a round's draft is within the rows' budget); a batch's holes grow it past that (``backends.Buffers``)
+        columns = max(int(view.ids.shape[0]) - 1 for view in views) + max(view.budget for view in views) + 1
+        self.cache = kv.KVStore(self.model, attention, head=self._narrow_head(views),
+                                cache=self.step.store_cache(self.model, columns))
         layout = self.inputs.layout
         if layout is not None:
             self.cache.prefill(self._readable(self.inputs.prompt_ids(layout.input_ids)), layout.mask, logits_at=1,
@@ -157,8 +174,10 @@ class DraftModelDrafter(Drafter):
 
     def _narrow_head(self, views: Sequence[RowView]) -> SubVocabHead | None:
         """The narrowed output layer (module docstring) over ``draft_vocab_size`` ids, the prompts' tokens and the
-        special tokens; None when the draft scores its whole vocabulary."""
-        if not (self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model)):
+        special tokens; None when the draft scores its whole vocabulary, as it does where its steps compile (they
+        run the draft's own forward, ``Verifier.takes_head``)."""
+        if not (self.draft_vocab_size and self.draft_vocab_size < self.vocab_size and SubVocabHead.usable(self.model)
+                and self.step.takes_head):
             return None
         keep = torch.cat([torch.arange(self.draft_vocab_size), *[view.ids.cpu() for view in views],
                           torch.tensor(self.special_token_ids, dtype=torch.long)])
@@ -172,7 +191,8 @@ class DraftModelDrafter(Drafter):
         even = batch.valid is None  # every row feeds as many tokens: only the last position's logits are needed
         after = torch.tensor([row[-1] for row in self._written]) if all(self._written) else None
         assert after is not None or not any(self._written), "rows step together"
-        written = self.cache.forward(batch, after=after, logits_at=1 if even else None)  # logits [B, 1 or n, V]
+        written = self.step.forward(self.cache, batch, after=after,
+                                    logits_at=1 if even else None)  # logits [B, 1 or n, V]
         for row, feed, slots in zip(self._written, feeds, written.slots.tolist()):
             row.extend(slots[: feed.shape[0]])
         if even:
@@ -190,7 +210,7 @@ class DraftModelDrafter(Drafter):
         last = self.cache.width + self.cache.num_written - 1  # every row's last written slot, where rows step together
         after = (kv.Continue.LAST if all(row[-1] == last for row in self._written)
                  else torch.tensor([row[-1] for row in self._written]))
-        written = self.cache.forward(batch, after=after, logits_at=1)  # logits [B, 1, V]
+        written = self.step.forward(self.cache, batch, after=after, logits_at=1)  # logits [B, 1, V]
         slot = last + 1  # (the forward wrote one column)
         for row in self._written:
             row.append(slot)
@@ -407,11 +427,13 @@ class DraftModelDrafter(Drafter):
         self._node_slots = None
 
 
-def chained(drafter_class: type[DraftModelDrafter], model, call: DraftCall) -> ChainDrafter:
-    """A ``drafter_class`` over ``model`` for ``call``, followed by prompt lookup where the call asks for it."""
+def chained(drafter_class: type[DraftModelDrafter], model, call: DraftCall, step: Verifier = EAGER) -> ChainDrafter:
+    """A ``drafter_class`` over ``model`` for ``call`` whose one-token steps run through ``step``, followed by
+    prompt lookup where the call asks for it."""
     drafter = drafter_class(model, call.logits_processor, do_sample=call.do_sample, vocab_size=call.vocab_size,
                             draft_vocab_size=call.draft_vocab_size, special_token_ids=call.special_token_ids,
-                            pad_token_id=call.pad_token_id, model_inputs=call.model_inputs, batch=call.batch)
+                            pad_token_id=call.pad_token_id, model_inputs=call.model_inputs, batch=call.batch,
+                            step=step)
     return ChainDrafter(drafter, PerRow(PromptLookupDrafter) if call.history_lookup else None)
 
 
@@ -431,7 +453,8 @@ class DraftModelSource:
         return self.model
 
     def drafter(self, call: DraftCall) -> ChainDrafter:
-        return chained(DraftModelDrafter, self.model, call)
+        """The call's drafter; its steps compile where the call's verify does (``Verifier.for_draft``)."""
+        return chained(DraftModelDrafter, self.model, call, step=call.verifier.for_draft(self.model))
 
 
 def _fed(tokens: torch.Tensor) -> RoundLayout:
