@@ -101,7 +101,7 @@ def speculative_generate(
     lookup = config.history_lookup and config.policy == PolicyKind.ADAPTIVE  # fixed and heuristic k never read it
     call = DraftCall(model, logits_processor, do_sample=inputs.do_sample, vocab_size=inputs.vocab_size,
                      special_token_ids=_special_token_ids(generation_config), pad_token_id=inputs.pad_token_id,
-                     history_lookup=lookup, batch=rows)
+                     history_lookup=lookup, batch=rows, verifier=inputs.verifier)
     if draft is not None:
         _check_same_family(model, draft)  # verified over the target's whole vocabulary, never cut to the draft's
         if estimates.draft_read.prior is None:

@@ -38,6 +38,7 @@ from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
 import torch
 from transformers import LogitsProcessorList
 
+from ..compiled import EAGER, Verifier
 from ..inputs import NO_INPUTS, ModelInputs
 from ..round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind
 
@@ -87,7 +88,8 @@ class DraftCall:
     the target's vocabulary (guesses are over it), the draft's narrow output layer (``SpecConfig.draft_vocab_size``),
     the special token ids it always keeps, the padding id, the draft model's other inputs (``inputs.py``),
     whether prompt lookup follows a draft model's chain (``SpecConfig.history_lookup``), and the caller's batch
-    size (``batch``: its processors keep a value per row, ``processors.process_rows``)."""
+    size (``batch``: its processors keep a value per row, ``processors.process_rows``), and its verifier (a draft
+    model's single steps run compiled where the verify does, ``Verifier.for_draft``)."""
 
     target: torch.nn.Module
     logits_processor: LogitsProcessorList
@@ -99,6 +101,7 @@ class DraftCall:
     model_inputs: ModelInputs = NO_INPUTS
     history_lookup: bool = False
     batch: int = 1
+    verifier: Verifier = EAGER  # the call's verify runner (``compiled.py``), which a draft model's steps follow
 
 
 class DraftSource(Protocol):
