@@ -44,6 +44,10 @@ import hf_specdec  # noqa: E402
 from first_call import machine_of, machine_words, write_report  # noqa: E402
 
 MODES = ("plain", "hf_k4", "hf_default", "specdec_k4", "specdec_default")
+# ``--compiled``: the same k = 4 pair where the user asked for a static cache and a compiled forward on every device
+# (the flags plain ``generate`` compiles with): transformers compiles its target forward (its assistant stays eager),
+# hf_specdec its verify at fixed widths and the draft's single step; the compile runs in each mode's warm-up call
+COMPILED_MODES = ("plain_static", "hf_k4_static", "specdec_k4_static")
 VOCAB = 256
 
 
@@ -94,9 +98,9 @@ def parts(model):
     return [model.model, model.lm_head]
 
 
-def run_mode(mode: str, target, draft, prompt, new_tokens: int):
+def run_mode(mode: str, target, draft, prompt, new_tokens: int, **flags):
     """The mode's call: (tokens [1, P + new], stats or None)."""
-    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **flags)
     if mode == "plain":
         return type(target).generate(target, prompt, **greedy), None
     if mode == "hf_k4":
@@ -111,9 +115,25 @@ def run_mode(mode: str, target, draft, prompt, new_tokens: int):
         for name in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
             setattr(draft.generation_config, name, getattr(default, name))
         return type(target).generate(target, prompt, assistant_model=draft, **greedy), None
-    spec = {"policy": "fixed", "num_draft_tokens": 4} if mode == "specdec_k4" else None
+    if mode in COMPILED_MODES:  # the user's flags for a compiled forward, on every device: the same for all three
+        greedy.update(cache_implementation="static", compile_config=compile_config())
+        if mode == "plain_static":
+            return type(target).generate(target, prompt, **greedy), None
+        if mode == "hf_k4_static":
+            return run_mode("hf_k4", target, draft, prompt, new_tokens, **greedy)
+    spec = {"policy": "fixed", "num_draft_tokens": 4} if mode in ("specdec_k4", "specdec_k4_static") else None
     out = target.generate(prompt, assistant_model=draft, spec_config=spec, **greedy)
     return out, target.last_spec_stats
+
+
+def compile_config():
+    """What a user sets to compile the decoding forward on a CPU too (transformers' ``CompileConfig``, asked for on
+    every device): inductor, one graph per shape (``dynamic=False``), no CUDA graphs here."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+    config._compile_all_devices = True
+    return config
 
 
 def main(argv=None) -> int:
@@ -125,14 +145,21 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tiny", action="store_true", help="smoke run: 16 new tokens, 5 prompts")
+    parser.add_argument("--compiled", action="store_true",
+                        help=f"the modes {', '.join(COMPILED_MODES)} (static cache, compiled forwards; no forward "
+                             f"hooks: a hook inside a compiled graph would time nothing)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.new_tokens, args.prompts = 16, 5
+    if args.compiled:
+        args.modes = ",".join(COMPILED_MODES)
+        torch._dynamo.config.recompile_limit = 64  # a graph per width and per cache length of each model
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
     target, draft = tiny_regime_pair()
     hf_specdec.enable(target)
-    clocks = {"target": ForwardClock(parts(target)), "draft": ForwardClock(parts(draft))}
+    clocks = {"target": ForwardClock([] if args.compiled else parts(target)),
+              "draft": ForwardClock([] if args.compiled else parts(draft))}
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (1, args.prompt_length), generator=generator) for _ in range(args.prompts)]
     totals = {mode: dict(tokens=0, seconds=0.0, target_s=0.0, draft_s=0.0, target_forwards=0, identical=0)
@@ -165,6 +192,9 @@ def main(argv=None) -> int:
     if {"specdec_k4", "hf_k4"} <= set(modes):
         ratios["host_specdec_k4_over_hf_k4"] = totals["specdec_k4"]["host_s"] / totals["hf_k4"]["host_s"]
         ratios["tok_s_specdec_k4_over_hf_k4"] = totals["specdec_k4"]["tok_s"] / totals["hf_k4"]["tok_s"]
+    if {"specdec_k4_static", "hf_k4_static"} <= set(modes):
+        ratios["tok_s_specdec_k4_static_over_hf_k4_static"] = (totals["specdec_k4_static"]["tok_s"]
+                                                               / totals["hf_k4_static"]["tok_s"])
     if {"specdec_default", "hf_default"} <= set(modes):
         ratios["tok_s_specdec_default_over_hf_default"] = (totals["specdec_default"]["tok_s"]
                                                            / totals["hf_default"]["tok_s"])

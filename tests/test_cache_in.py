@@ -10,6 +10,7 @@ tiny Mistral whose layers hold only their sliding window of 8.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -20,6 +21,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache,
 import hf_specdec
 from hf_specdec.models.tiny import perturbed_copy, tiny_model
 from hf_specdec.stats import last_spec_stats
+from tests.clock import VirtualClock
 
 NEW = 12
 FIXED = {"policy": "fixed", "num_draft_tokens": 4}
@@ -107,18 +109,31 @@ def assert_same_cache(ours, plain, mask: torch.Tensor, new: int) -> None:
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
+@contextlib.contextmanager
+def paying(model, draft):
+    """A virtual clock where a target forward costs 1 s, a draft step 0.01 s and the host nothing
+    (``tests/clock.py``), so that guessing pays on any machine, however loaded: a tiny model's real forwards cost
+    less than a round's host work, and a lookahead batch priced on the real clock may rightly never guess."""
+    with pytest.MonkeyPatch.context() as patch:
+        clock = VirtualClock(patch)
+        clock.charge(patch, model, lambda n: 1.0)
+        clock.charge(patch, draft, lambda n: 0.01)
+        yield clock
+
+
 def generate_both(model, ids, name, draft, *, mask=None, cache_columns=0, **kwargs):
-    """(plain's output, hf_specdec's output), each with its own cache (prefilled alike when asked)."""
+    """(plain's output, hf_specdec's output), each with its own cache (prefilled alike when asked), ``paying``."""
     outputs = []
-    for extra in ({}, mode(name, draft)):
-        cache = prefilled(model, ids, mask if mask is not None else torch.ones_like(ids), cache_columns,
-                          kwargs.get("position_ids")) if cache_columns else None
-        given = {} if mask is None else {"attention_mask": mask}
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, cache=cache,
-                             **given, **kwargs, **extra)
-        if cache is not None:
-            assert out.cache is cache  # the caller's own object, extended in place
-        outputs.append(out)
+    with paying(model, draft):
+        for extra in ({}, mode(name, draft)):
+            cache = prefilled(model, ids, mask if mask is not None else torch.ones_like(ids), cache_columns,
+                              kwargs.get("position_ids")) if cache_columns else None
+            given = {} if mask is None else {"attention_mask": mask}
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                                 cache=cache, **given, **kwargs, **extra)
+            if cache is not None:
+                assert out.cache is cache  # the caller's own object, extended in place
+            outputs.append(out)
     assert_drafted(model, name)
     return outputs
 
@@ -172,11 +187,12 @@ def test_a_cache_passed_with_only_the_new_tokens(llama_pair, name):
     """input_ids = the 4 uncached tokens, attention_mask over all 12 columns: plain reads the ids as new tokens."""
     model, draft = llama_pair
     outputs = []
-    for extra in ({}, mode(name, draft)):
-        cache = prefilled(model, PROMPT, torch.ones_like(PROMPT), 8)
-        outputs.append(model.generate(PROMPT[:, 8:], attention_mask=torch.ones_like(PROMPT), cache=cache,
-                                      max_new_tokens=NEW, do_sample=False, **extra))
-        assert cache.get_seq_length() == 12 + NEW - 1
+    with paying(model, draft):
+        for extra in ({}, mode(name, draft)):
+            cache = prefilled(model, PROMPT, torch.ones_like(PROMPT), 8)
+            outputs.append(model.generate(PROMPT[:, 8:], attention_mask=torch.ones_like(PROMPT), cache=cache,
+                                          max_new_tokens=NEW, do_sample=False, **extra))
+            assert cache.get_seq_length() == 12 + NEW - 1
     assert_drafted(model, name)
     assert torch.equal(outputs[0], outputs[1])
 
