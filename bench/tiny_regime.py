@@ -120,7 +120,8 @@ def run_mode(mode: str, target, draft, prompt, new_tokens: int, **flags):
         if mode == "plain_static":
             return type(target).generate(target, prompt, **greedy), None
         if mode == "hf_k4_static":
-            return run_mode("hf_k4", target, draft, prompt, new_tokens, **greedy)
+            return run_mode("hf_k4", target, draft, prompt, new_tokens, cache_implementation="static",
+                            compile_config=greedy["compile_config"])
     spec = {"policy": "fixed", "num_draft_tokens": 4} if mode in ("specdec_k4", "specdec_k4_static") else None
     out = target.generate(prompt, assistant_model=draft, spec_config=spec, **greedy)
     return out, target.last_spec_stats
