@@ -152,13 +152,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         args.new_tokens, args.prompts = 16, 5
-    if args.compiled:
+    if args.compiled and args.modes == ",".join(MODES):
         args.modes = ",".join(COMPILED_MODES)
-        torch._dynamo.config.recompile_limit = 64  # a graph per width and per cache length of each model
+        # each mode has its own copy of the pair: one model's compiled forward serves every mode that calls it,
+        # and one mode's shapes (transformers' verify of 1..5 inputs, recompiled with dynamic shapes) would make
+        # the graphs another mode runs; and room for every graph of every copy
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.accumulated_recompile_limit = 1024
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
     target, draft = tiny_regime_pair()
     hf_specdec.enable(target)
+    pairs = {mode: (target, draft) for mode in modes}
+    if args.compiled:
+        pairs = {mode: (hf_specdec.enable(copy.deepcopy(target)), copy.deepcopy(draft)) for mode in modes}
     clocks = {"target": ForwardClock([] if args.compiled else parts(target)),
               "draft": ForwardClock([] if args.compiled else parts(draft))}
     generator = torch.Generator().manual_seed(1)
@@ -167,7 +174,7 @@ def main(argv=None) -> int:
               for mode in modes}
     with torch.inference_mode():
         for mode in modes:  # one warm-up call each
-            run_mode(mode, target, draft, prompts[0], args.new_tokens)
+            run_mode(mode, *pairs[mode], prompts[0], args.new_tokens)
         for index, prompt in enumerate(prompts):
             reference = type(target).generate(target, prompt, max_new_tokens=args.new_tokens,
                                               min_new_tokens=args.new_tokens, do_sample=False)
@@ -175,7 +182,7 @@ def main(argv=None) -> int:
                 for clock in clocks.values():
                     clock.reset()
                 start = time.perf_counter()
-                out, _ = run_mode(mode, target, draft, prompt, args.new_tokens)
+                out, _ = run_mode(mode, *pairs[mode], prompt, args.new_tokens)
                 seconds = time.perf_counter() - start
                 row = totals[mode]
                 row["tokens"] += out.shape[1] - prompt.shape[1]

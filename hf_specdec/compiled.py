@@ -22,7 +22,8 @@ price of its width (``CompiledVerify.width``: the cost model's width(n)).
 Terms: a *width* is the number of inputs per row of a compiled forward; a *verifier* runs a round's verify forward
 over the store, or a draft model's step over its own (``Verifier``: ``EAGER``, or a ``CompiledVerify``).
 
-The draft model's single step is the same thing at one width (``CompiledVerify.draft_step``: width 1). Where the
+The draft model's single step is the same thing at two widths (``CompiledVerify.draft_step``: 1, and 2 for the
+first step after a round whose draft was all accepted, which feeds its last guess and the target's token). Where the
 call's verify compiles, a draft model's store gets a static cache of its own (``Verifier.store_cache``) and its
 one-token-per-row forwards run through the draft's own compiled call, with the target's compile config
 (``Verifier.for_draft``: where the draft itself meets transformers' criterion); where the verify runs eagerly, so
@@ -147,7 +148,7 @@ class CompiledVerify:
     ``buckets``' widths over a static cache's store. A forward it cannot run compiled runs eagerly: a round wider
     than every width, one that records hidden states or attentions (their tuples vary by call), a store with a
     dynamic cache or with model inputs besides tokens (images, token types). A draft model's steps are one
-    (``draft_step``), at width 1."""
+    (``draft_step``), at widths 1 and 2."""
 
     call: Callable
     buckets: Buckets = Buckets()
@@ -178,8 +179,10 @@ class CompiledVerify:
 
     @classmethod
     def draft_step(cls, call: Callable, config: CompileConfig | None = None) -> "CompiledVerify":
-        """A draft model's single step compiled the same way: one width, 1 (a draft store with a static cache)."""
-        return cls(call, Buckets((1,)), config)
+        """A draft model's single step compiled the same way (a draft store with a static cache): width 1, and 2
+        for a round's first step after a round whose draft was all accepted (its last guess and the target's token,
+        the first step of every round where the draft agrees)."""
+        return cls(call, Buckets((1, 2)), config)
 
     @property
     def takes_head(self) -> bool:

@@ -217,7 +217,7 @@ def test_a_drafts_step_runner(pair):
     static = StaticCache(config=model.config, max_cache_len=32)
     verifier = verifier_for(model, GenerationConfig(compile_config=counting_config(GraphCounter())), static)
     step = verifier.for_draft(draft)
-    assert step.buckets.widths == (1,) and step.config.dynamic is False and step.config.backend is \
+    assert step.buckets.widths == (1, 2) and step.config.dynamic is False and step.config.backend is \
         verifier.config.backend
     cache = step.store_cache(draft, 40)
     assert type(cache) is StaticCache and Buffers.of(cache.layers).width == 40

@@ -24,10 +24,11 @@ A plan with a ``tree`` grows a tree of the draft's likely continuations instead 
 one batched draft forward per depth over its frontier, every node continuing its parent's path in the cache).
 
 Where the call's verify runs compiled (``compiled.py``), the draft's store has a static cache of its own and every
-forward of one token per row runs through the draft's own compiled call at width 1 (the drafter's ``step``, a
-``compiled.Verifier``: ``CompiledVerify.draft_step``, else ``EAGER`` and a dynamic cache): a chain's steps after
-the first, and a round's first step where every row feeds one token. The prompt read, a first step that feeds more
-tokens (the two after a round whose draft was all accepted, a catch-up) and a tree's frontiers run eagerly. There
+forward of one or two tokens per row runs through the draft's own compiled call at width 1 or 2 (the drafter's
+``step``, a ``compiled.Verifier``: ``CompiledVerify.draft_step``, else ``EAGER`` and a dynamic cache): a chain's
+steps after the first, and a round's first step where every row feeds one token or two (the two after a round
+whose draft was all accepted). The prompt read, a first step that feeds more (a catch-up) and a tree's frontiers
+run eagerly. There
 the draft scores its whole vocabulary (no ``SubVocabHead``): the compiled call is the draft's own forward, output
 layer included, which transformers keeps on the model so that later calls reuse its graphs. An early-exit view
 (``drafters/early_exit.py``) steps eagerly.
