@@ -300,12 +300,12 @@ def seeded_adaptive(monkeypatch):
     charges) instead of measuring a plain step and a draft round first: with NEW = 4 tokens it would never get
     to a round with a prompt-lookup tail."""
 
-    def make_policy(config, estimates=None, width=None):
+    def make_policy(config, estimates=None, width=None, reads_wait=False):
         seeded = Estimates()
         for n in range(1, 40):
             seeded.forward.observe(n, 1.0)
         seeded.draft_step.observe(1, 0.01)
-        return Planner.speculative(config, seeded, width)
+        return Planner.speculative(config, seeded, width, reads_wait)
 
     monkeypatch.setattr(integration, "make_policy", make_policy)
 
