@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import hf_specdec
+from tests.clock import VirtualClock
 from tests.conftest import tiny_model
 
 NEW = 40
@@ -220,14 +221,19 @@ def test_speculative_greedy_chain_reads_once_per_round(pair, prompt, case):
 def test_where_reads_wait_for_the_device_the_defaults_chain_reads_once_per_round(pair, prompt, monkeypatch):
     """On a GPU a read waits for the device's queue (``costmodel.reads_wait``): the defaults' chain then has no
     in-round rule (no confidence stop, no lookup tail), its draft steps run on the device, and the round reads
-    once. This machine has no GPU: the call is told its device's reads wait."""
-    target, _ = pair
+    once. This machine has no GPU: the call is told its device's reads wait. On a virtual clock (forwards 1 s, draft
+    steps 0.01 s, the host nothing), so that the defaults draft on any machine."""
+    target, draft = pair
     monkeypatch.setattr(hf_specdec.integration, "reads_wait", lambda device: True)
     reference = type(target).generate(target, prompt, max_new_tokens=NEW, do_sample=False)
+    clock = VirtualClock(monkeypatch)
+    clock.charge(monkeypatch, target, lambda n: 1.0)
+    clock.charge(monkeypatch, draft, lambda n: 0.01)
     out, reads = _speculative(pair, prompt, {"tree": "off"}, do_sample=False)
     assert torch.equal(out, reference)
     stats = target.last_spec_stats.get()
-    assert stats.accepted > 0 and not stats.tree_rounds and stats.drafted > stats.forwards  # chains of several
+    model_drafted = stats.drafted - stats.lookup_drafted  # the draft model's tokens, not prompt lookup's
+    assert stats.accepted > 0 and not stats.tree_rounds and model_drafted > stats.forwards  # chains of several
     _one_per_round(reads, stats)
 
 
