@@ -189,19 +189,38 @@ class AdaptiveChainRule:
         return (gains[-1] if gains else 1.0), 1.0 + sum(gains)
 
     def keep_drafting(self, confidences: Sequence[float]) -> bool:
-        """Draft one more token after ``confidences`` (one per token drafted so far)? While what it adds, per the
-        seconds it adds (``RoundCost.more``), beats the rate of the round so far."""
+        """Draft one more token after ``confidences`` (one per token drafted so far)? While some longer round,
+        up to ``max_tokens``, beats the rate of the round so far: E_m / T_m > E_n / T_n for an m > n, each token
+        after the n-th accepted with the calibrated confidence of the n-th (confidence comes in stretches).
+
+        Longer rounds, not only the next token: t(n) is measured per size, so one size priced above its
+        neighbours (a slow sample, a size last measured in a tree round) would stop every chain at it, although
+        the planner's k*, which looks at every size, says that a round past it pays; the rule and the planner read
+        the same price the same way.
+
+        >>> from hf_specdec.costmodel import ForwardCost
+        >>> price = RoundCost(ForwardCost.from_table({1: 1.0, 3: 1.0, 4: 2.0, 16: 2.0}), t_draft=0.05)  # t(4) jumps
+        >>> rule = AdaptiveChainRule(price, (0.0,), (0.0,), 2.0, (), True, 16)  # nothing judged: P(kept) = confidence
+        >>> rule.keep_drafting([0.9, 0.9]), rule.keep_drafting([0.3, 0.3])  # 16 tokens pay past the jump; doubted ones not
+        (True, False)
+        """
         n = len(confidences)
         if not self.confidence_stop or n >= self.max_tokens or self.price.t_draft is None or not confidences:
             return True
-        extra_time, seconds = self.price.more(n), self.price.round(n)
-        if extra_time is None or seconds is None:
+        seconds = self.price.round(n)
+        if seconds is None:
             return True
         all_kept, emitted = self._worth(confidences)
-        gain = all_kept * self.calibrated(confidences[-1])
-        if extra_time <= 0.0:  # one more token costs nothing measurable: it can only add
-            return True
-        return gain / extra_time > emitted / seconds
+        rate, reached, gain = self.calibrated(confidences[-1]), all_kept, 0.0
+        for m in range(n + 1, self.max_tokens + 1):
+            longer = self.price.round(m)
+            if longer is None:
+                return True
+            reached *= rate
+            gain += reached
+            if longer <= seconds or (emitted + gain) / longer > emitted / seconds:  # (free: it can only add)
+                return True
+        return False
 
     def lookup_tokens(self, confidences: Sequence[float]) -> int:
         """Prompt-lookup tokens to verify after the drafted ones: m maximising the round's E / T, the tail priced

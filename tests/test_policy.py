@@ -399,11 +399,11 @@ def rounds_length(rule, confidence=0.95, most=16):
 
 
 def test_a_profile_that_overprices_long_forwards_is_measured_once_speculation_has_paid():
-    """A hardware profile priced forwards over 5+ inputs at two plain steps; here they cost one. While nothing
+    """A hardware profile priced forwards over 5+ inputs at four plain steps; here they cost one. While nothing
     has paid, the in-round rule believes the profile; once rounds have earned regret credit, a seeded size past
     the largest measured one is priced as the measured curve continues (what it could lose fits in the budget),
     the round runs past it, and that measurement replaces the seed instead of averaging with it."""
-    seeded = {n: (0.1 if n <= 4 else 0.2) for n in (1, 2, 3, 4, 6, 8, 16, 32)}
+    seeded = {n: (0.1 if n <= 4 else 0.4) for n in (1, 2, 3, 4, 6, 8, 16, 32)}
     policy = Planner.speculative(SpecConfig(), Estimates(forward=ForwardCost.from_table(seeded, prior=True),
                                                     draft_step=ForwardCost.from_table({1: 0.02}, prior=True)))
     assert rounds_length(plan(policy, 16).rule) == 3  # no credit yet: 5 inputs priced by the profile
