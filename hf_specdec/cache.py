@@ -612,6 +612,30 @@ class KVStore:
         self.lane_forwards += 1
         return result
 
+    def continues_lane(self) -> bool:
+        """Can ``lane_steps`` run: the last forward took the fast lane and asked for logits alone (``_LaneCall``)?"""
+        return bool(self._lane_written) and self._lane_call not in (None, _UNSET) and self._lane_open()
+
+    def lane_steps(self, token: torch.LongTensor, steps: int,
+                   choose: Callable[[torch.Tensor], torch.LongTensor | None]) -> int:
+        """Up to ``steps`` forwards of one token, each continuing the last written slot in the fast lane, as
+        ``forward(..., after=Continue.LAST, logits_at=1)`` runs each where ``continues_lane()``: the first over
+        ``token`` [1, 1], each next over what ``choose`` makes of the last one's float logits [1, V] (None: stop
+        here). A draft's chain (gpt-fast's ``decode_n_tokens``): what ``forward`` decides per call is decided once
+        for all of them. Returns how many forwards ran; their slots follow the last written one."""
+        assert self.continues_lane(), "lane_steps continues a forward of the fast lane"
+        start = self._lane_start + self._lane_written
+        self._span(self.width + self._lane_written + steps)
+        positions = self._ranges.device(start + steps)[None]  # [1, >= start + steps] text positions
+        for ran in range(1, steps + 1):
+            logits = self._lane_call(token, self.cache, positions[:, start + ran - 1: start + ran], 1)
+            self._lane_written += 1
+            self.lane_forwards += 1
+            token = choose(logits[:, 0])
+            if token is None:
+                return ran
+        return steps
+
     def _lane_keep(self, kept: Sequence[Sequence[int]]) -> bool:
         """``keep`` in the fast lane where it is one: the row keeps a prefix of what it wrote in it (a crop of every
         layer, no index tensors). Returns whether it did."""

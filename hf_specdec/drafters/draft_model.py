@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import LogitsProcessorList
@@ -217,6 +217,28 @@ class DraftModelDrafter(Drafter):
             row.append(slot)
         return self._over_vocab(written.logits[:, 0])
 
+    def _steps(self, tokens: torch.Tensor, most: int, step: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """Up to ``most`` forwards of one token per row, the first over ``tokens`` [B], each next over what ``step``
+        makes of the last one's float logits [B, V] (None: stop). Where the last forward took the store's fast lane
+        and the steps run the store's own forward (an eager step), the store runs them as one chain
+        (``KVStore.lane_steps``); else each is a ``_logits_after``."""
+        if most <= 0:
+            return
+        if self.step.takes_head and self.cache.continues_lane():
+            last = self.cache.width + self.cache.num_written - 1
+            ran = self.cache.lane_steps(self._readable(tokens[:, None]), most,
+                                        lambda logits: self._fed_back(step(self._over_vocab(logits))))
+            self._written[0].extend(range(last + 1, last + 1 + ran))
+            return
+        for _ in range(most):
+            tokens = step(self._logits_after(tokens))
+            if tokens is None:
+                return
+
+    def _fed_back(self, tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """A step's tokens [1] as the next lane forward's input [1, 1] (None: stop)."""
+        return None if tokens is None else self._readable(tokens[:, None])
+
     def _over_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V] over the target's vocabulary: the draft's padding rows past it are never
         proposed, and the target's rows the draft lacks get -inf (never proposed, probability 0, which rejection
@@ -298,8 +320,10 @@ class DraftModelDrafter(Drafter):
         probs: list[list[torch.Tensor]] = [[] for _ in views]
         confidences: list[list[float]] = [[] for _ in views]
         drafting = [limit > 0 for limit in limits]
-        logits = self._logits(feeds)  # [B, V]
-        for _ in range(steps):
+
+        def step(logits: torch.Tensor) -> torch.Tensor | None:
+            """One drafted token per row from ``logits`` [B, V]; the tokens to feed next, or None: every row done."""
+            nonlocal ids
             if self.do_sample or self.logits_processor:
                 scores = torch.cat([self._scores(views[r].row, ids[r], logits[r]) for r in range(len(views))])
             else:
@@ -319,10 +343,14 @@ class DraftModelDrafter(Drafter):
                     drafting[r] = len(tokens[r]) < limits[r] and (
                         plan.rule is None or plan.rule.keep_drafting(confidences[r]))
             if not any(drafting):
-                break
-            logits = self._logits_after(chosen)  # [B, V]
+                return None
             if self.logits_processor:
                 ids = [torch.cat([row_ids, token[None]]) for row_ids, token in zip(ids, chosen)]
+            return chosen
+
+        first = step(self._logits(feeds))
+        if first is not None:
+            self._steps(first, steps - 1, step)
         seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
         forwards = max(len(row) for row in tokens)
         return [Proposal.chain(
@@ -338,12 +366,13 @@ class DraftModelDrafter(Drafter):
         to the next step as it is; nothing is read back here (``Proposal.device_tokens``: the loop reads the
         tokens with the target's choices, in the round's one transfer). Each row keeps its first ``limits[r]``."""
         steps = max(limits)
-        chosen = []
-        logits = self._logits(feeds)  # [B, V]
-        for step in range(steps):
-            chosen.append(greedy_choice(logits))  # [B]
-            if step + 1 < steps:
-                logits = self._logits_after(chosen[-1])
+        chosen = [greedy_choice(self._logits(feeds))]  # [B] each
+
+        def step(logits: torch.Tensor) -> torch.Tensor | None:
+            chosen.append(greedy_choice(logits))
+            return chosen[-1] if len(chosen) < steps else None
+
+        self._steps(chosen[0], steps - 1, step)
         drafted = torch.stack(chosen, dim=1)  # [B, steps]
         seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
         return [Proposal.device_chain(
