@@ -600,6 +600,9 @@ class Planner:
         >>> choice = policy.tree(policy.price(), 8)
         >>> choice.shape.branches, choice.shape.depth, choice.shape.num_nodes
         (True, 8, 32)
+        >>> choice.shape.rates == tuple(map(tuple, sibling_rates(  # what the drafter ranks its nodes by
+        ...     [policy.acceptance((SourceKind.DRAFT, rank)).rates(8) for rank in range(TREE_CHILDREN)])))
+        True
         >>> for n in range(1, 34): policy.estimates.forward.observe(n, 0.10 * (1 + 0.75 * (n - 1)))  # steep
         >>> policy.tree(policy.price(), 8) is None  # the chain (or nothing)
         True
@@ -633,7 +636,11 @@ class Planner:
             choice = TreeChoice(shape, tokens, seconds)
             if best is None or choice.rate > best.rate:
                 best = choice
-        return best if best is not None and best.rate > floor else None
+        if best is None or best.rate <= floor:
+            return None
+        # the drafter ranks its nodes by the rates the tree was priced with: it grows the expected tree
+        return dataclasses.replace(best, shape=dataclasses.replace(
+            best.shape, rates=tuple(tuple(rank_rates) for rank_rates in sibling_rates(rates))))
 
     # -- ready-made candidates: a trie ----------------------------------------------------------------------------
     def _affordable(self, price: RoundCost, limit: int) -> int:

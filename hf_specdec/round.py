@@ -212,7 +212,10 @@ class TreeShape:
 
     nodes[d - 1]: nodes verified at depth d (d = 1..depth); expanded[d]: nodes of depth d the draft reads in its
     forward of depth d (depth 0: the last committed token, once a row), whose children are the candidates of depth
-    d + 1; children: the most children of one node (the draft's top choices, or draws without replacement).
+    d + 1; children: the most children of one node (the draft's top choices, or draws without replacement);
+    rates[r][d - 1]: the acceptance the planner priced a node of rank r at depth d with (given its parent was
+    kept), by which the drafter ranks its nodes, so that it grows the tree that was priced; None: by the draft's
+    own cumulative probability.
 
     Worked example: ``TreeShape(nodes=(2, 2, 1), expanded=(1, 2, 1), children=2)``: one draft forward over the last
     token gives the two depth-1 nodes, one forward over both gives four candidates of which two are kept, one over
@@ -225,6 +228,7 @@ class TreeShape:
     nodes: tuple[int, ...]
     expanded: tuple[int, ...]
     children: int
+    rates: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.expanded) == len(self.nodes), "one expanded count per depth"

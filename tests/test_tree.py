@@ -499,3 +499,23 @@ def test_a_draft_whose_first_choices_are_always_kept_grows_no_tree():
     assert policy.acceptance((SourceKind.DRAFT, 1)).rates(16) == [0.15] * 16  # never judged: the prior
     chosen = plan(policy)
     assert chosen.tree is None and chosen.model_tokens == 16
+
+
+def test_the_drafter_grows_the_tree_the_planner_priced():
+    """A draft that agrees with the target while giving each token 6-8% (a tiny random model): ranked by its own
+    cumulative probability, its tree is a bush of shallow siblings that cuts the priced chain at depth 3; ranked by
+    the rates the planner priced the shape with (``TreeShape.rates``), it is the priced chain of 4 and a sibling."""
+    q = torch.softmax(torch.linspace(0.3, 0.0, 16), dim=0)  # 0.077 ... 0.057: unsure of every token
+
+    def read(frontiers):  # every node read gives the same unsure distribution
+        return [([100 + node for node, _, _ in row], [q] * len(row)) for row in frontiers]
+
+    priced = TreeShape(nodes=(2, 1, 1, 1), expanded=(1, 1, 1, 1), children=2, rates=((1.0,) * 4, (0.05,) * 4))
+    grown = {}
+    for rates in (None, priced.rates):
+        tree = draft_tree.GrownTree(distributions={-1: q}, rates=rates)
+        draft_tree.grow([tree], [priced], [0], read, do_sample=False)
+        grown[rates] = sorted((tree.depths[node], tree.ranks[node])
+                              for node in draft_tree.verified(tree, priced, do_sample=False))
+    assert grown[priced.rates] == [(1, 0), (1, 1), (2, 0), (3, 0), (4, 0)]  # (depth, rank) of each verified node
+    assert grown[None] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0)]

@@ -387,8 +387,9 @@ class DraftModelDrafter(Drafter):
         the root distributions, then one forward per depth over the frontier."""
         shapes = [draft_tree.row_shape(plan) for plan in plans]
         logits = self._logits(feeds)  # [B, V] after each row's last committed token
-        trees = [draft_tree.GrownTree(distributions={-1: self._distribution(row, row_ids, row_logits)})
-                 for row, row_ids, row_logits in zip(self.rows, ids, logits)]
+        trees = [draft_tree.GrownTree(distributions={-1: self._distribution(row, row_ids, row_logits)},
+                                      rates=shape.rates if shape is not None else None)
+                 for row, row_ids, row_logits, shape in zip(self.rows, ids, logits, shapes)]
         self._caught_up = [len(row) for row in self._written]
         self._node_slots = [{} for _ in plans]
         roots = [row[-1] for row in self._written]

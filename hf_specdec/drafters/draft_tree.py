@@ -8,15 +8,19 @@ siblings); this module grows one of that shape per row:
 
 - depth 0: the draft's forward over the row's catch-up tokens (as a chain's first step) gives the distribution
   after the last committed token;
-- depth d: the candidates are the children of the nodes read at depth d - 1, each scored by its cumulative draft
-  probability (the product of the draft's probabilities along its path); the ``expanded[d]`` best nodes of depth d
-  are read in one batched draft forward, every node continuing its parent's path in the draft's cache
+- depth d: the candidates are the children of the nodes read at depth d - 1, each scored by the product along its
+  path of the acceptance the planner priced each node's (rank, depth) with (``TreeShape.rates``), so the tree grown
+  is the tree priced (a draft's own probabilities can rank its nodes far from how the target keeps them: a draft
+  that agrees with the target on every token while giving each token 5% would otherwise grow a bush of shallow
+  siblings in place of the priced chain and a sibling); without rates, by its cumulative draft probability (the
+  product of the draft's probabilities along its path); the ``expanded[d]`` best nodes of depth d are read in one
+  batched draft forward, every node continuing its parent's path in the draft's cache
   (``cache.KVStore.forward(after=[B, n])``), which gives the distributions of the next depth.
 
 Which tokens become children, and which nodes are verified:
 
 - greedy (``do_sample=False``): a node's children are the draft's top choices after it; every candidate is kept
-  until the tree is grown, then the ``num_nodes`` best by cumulative probability are verified (a parent's score is
+  until the tree is grown, then the ``num_nodes`` best by score are verified (a parent's score is
   never below its child's, ties go to the shallower, older node, so the best ones always form a tree). A node
   scoring no more than the ``num_nodes``-th best candidate so far is not read (none of its descendants could be
   verified), so where the draft is unsure the tree stays shallow and its forwards narrow or stop. The target
@@ -49,10 +53,12 @@ class GrownTree:
     """One row's tree while it grows (node ids in creation order: a parent before its children, siblings in rank
     order, consecutive).
 
-    tokens / parents / ranks / depths: per node; scores: cumulative draft probability; confidences: the draft's
-    probability of the node's token after its parent; drawn_from: per node, the distribution it was drawn from
-    (sampling only); slots: the draft-cache slot of every node the draft read; distributions: the processed draft
-    distribution after every node the draft read (root: -1).
+    tokens / parents / ranks / depths: per node; scores: the product along its path of each node's weight (its
+    ``rates`` entry where the shape has rates: the tree the planner priced; else the draft's probability, the
+    cumulative draft probability); confidences: the draft's probability of the node's token after its parent;
+    drawn_from: per node, the distribution it was drawn from (sampling only); slots: the draft-cache slot of every
+    node the draft read; distributions: the processed draft distribution after every node the draft read (root:
+    -1); rates: ``TreeShape.rates``.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -64,16 +70,23 @@ class GrownTree:
     drawn_from: list[torch.Tensor] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)
     distributions: dict[int, torch.Tensor] = field(default_factory=dict)
+    rates: tuple[tuple[float, ...], ...] | None = None
 
     def score(self, node: int) -> float:
         return 1.0 if node < 0 else self.scores[node]
+
+    def weight(self, rank: int, depth: int, confidence: float) -> float:
+        """What a node of this rank and depth whose token the draft gave ``confidence`` adds to its path's score."""
+        if self.rates is None:
+            return confidence
+        return self.rates[rank][depth - 1] if rank < len(self.rates) and depth <= len(self.rates[rank]) else 0.0
 
     def add(self, parent: int, token: int, rank: int, confidence: float, drawn_from: torch.Tensor | None) -> None:
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.ranks.append(rank)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
-        self.scores.append(self.score(parent) * confidence)
+        self.scores.append(self.score(parent) * self.weight(rank, self.depths[-1], confidence))
         self.confidences.append(confidence)
         if drawn_from is not None:
             self.drawn_from.append(drawn_from)
@@ -116,7 +129,9 @@ def children_counts(tree: GrownTree, parents: Sequence[int], count: int, childre
     slots = []
     for parent in parents:
         top = tree.distributions[parent].topk(min(children, tree.distributions[parent].shape[0])).values.tolist()
-        slots += [(tree.score(parent) * p, rank, parent) for rank, p in enumerate(top) if p > 0.0]
+        depth = 1 if parent < 0 else tree.depths[parent] + 1
+        slots += [(tree.score(parent) * tree.weight(rank, depth, p), rank, parent) for rank, p in enumerate(top)
+                  if p > 0.0]
     chosen = sorted(slots, key=lambda slot: (-slot[0], slot[1], slot[2]))[:count]
     counts = {parent: 0 for parent in parents}
     for _, _, parent in chosen:
@@ -200,7 +215,7 @@ def grow(trees: list[GrownTree], shapes: Sequence[TreeShape | None], root_slots:
 
 def verified(tree: GrownTree, shape: TreeShape, do_sample: bool) -> list[int]:
     """The nodes to verify, in creation order: every node drawn (sampling: counts fixed before drawing), or the
-    ``num_nodes`` best by cumulative probability (greedy; they form a tree, see the module docstring)."""
+    ``num_nodes`` best by score (greedy; they form a tree, see the module docstring)."""
     nodes = list(range(len(tree.tokens)))
     return nodes if do_sample else tree.best(nodes, shape.num_nodes)
 
@@ -224,4 +239,4 @@ def row_shape(plan: RoundPlan) -> TreeShape | None:
         return None
     if depth >= shape.depth:
         return shape
-    return TreeShape(shape.nodes[:depth], shape.expanded[:depth], shape.children)
+    return TreeShape(shape.nodes[:depth], shape.expanded[:depth], shape.children, shape.rates)
