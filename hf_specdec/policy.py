@@ -84,14 +84,16 @@ never reaches the policy, and the policy learns the round's confidences from the
 Trees of the draft's continuations
 ----------------------------------
 Where a forward over more inputs costs about what one costs, a round may verify a tree instead of the chain:
-the draft's second and third choices where it is unsure (``drafters/draft_tree.py`` grows it by cumulative draft
-probability). Its size comes from the same price and the acceptance learned per (depth, rank among siblings):
+the draft's second and third choices where it is unsure (``drafters/draft_tree.py`` grows it). Its size comes
+from the same price and the acceptance learned per (depth, rank among siblings):
 the draft's node of rank r at depth d is ``Source(DRAFT, variant=r, position=d)``, so a_{r,d} is the one
 estimator of (DRAFT, r) at slot d (rank 0 is the chain's), judged when its parent was kept. The expected tree
 (``expected_tree``) takes nodes best first by the product of a along their path; its first m nodes emit
 E(m) = 1 + sum of those products in T(m) = sum over depths of t_d(nodes the draft reads there) + t(1 + m), and m
-maximises E / T (``Planner.tree``). The first m nodes of a chain are one such tree, so the tree is chosen
-(``SpecConfig.tree="auto"``) only where it branches and its E / T beats the chain's at the same depth; where t(n)
+maximises E / T (``Planner.tree``); the drafter ranks its nodes by the same products (``TreeShape.rates``), so
+it grows the tree that was priced. The first m nodes of a chain are one such tree, so the tree is chosen
+(``SpecConfig.tree="auto"``) only where it branches and its E / T beats the chain's at the same depth by more than
+``TREE_MARGIN``; where t(n)
 is steep (fp32 on a CPU: t(2) = 1.75 t(1)) a second choice, accepted a few times in a hundred, never pays for its
 input, and rounds stay chains, or plain steps. ``tree="on"`` takes the best tree that branches.
 """
@@ -310,6 +312,11 @@ NUM_BINS = 10  # confidence calibration bins of the draft model
 DRAFT, LOOKUP = (SourceKind.DRAFT, 0), (SourceKind.LOOKUP, 0)  # the sources beside a draft model
 TREE_CHILDREN = 4  # the most children of one node of a draft-model tree (ranks 0..3 among siblings)
 MAX_TREE_NODES = 32  # the most nodes of a draft-model tree
+# with tree="auto", a tree is grown where its expected rate beats the chain's by more than this share: its siblings'
+# rates rest on the few rounds that judged them, its forwards on masked widths seldom run, so a tree within 1% of
+# the chain is a tie in the estimates' noise, and the chain (which the in-round rule can stop early) is the round
+# that was measured
+TREE_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -622,7 +629,7 @@ class Planner:
             chain = best_round(price, prefix_gains(rates[0]), depth)
             if chain is None:
                 return None
-            floor = chain.rate
+            floor = chain.rate * (1.0 + TREE_MARGIN)
         bounds = tree_rate_bounds(price, nodes)
         if mode is TreeMode.AUTO and max(bounds[branching:], default=0.0) <= floor:
             return None  # no tree can beat the chain: the shapes need not be priced
