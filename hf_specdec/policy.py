@@ -630,7 +630,7 @@ class Planner:
             if chain is None:
                 return None
             floor = chain.rate * (1.0 + TREE_MARGIN)
-        bounds = tree_rate_bounds(price, nodes)
+        bounds = tree_rate_bounds(price, nodes, start=branching)
         if mode is TreeMode.AUTO and max(bounds[branching:], default=0.0) <= floor:
             return None  # no tree can beat the chain: the shapes need not be priced
         best = None
@@ -963,24 +963,30 @@ def sibling_rates(rates: Sequence[Sequence[float]]) -> list[list[float]]:
     return capped
 
 
-def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode]) -> list[float]:
+def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode], start: int = 0) -> list[float]:
     """For each m, at most the expected tokens per second of the tree of the first m of ``nodes`` (best first): its
     tokens over the least its round costs as ``RoundCost.tree`` prices it: a tree's host work, the target's forward
-    over the last token and the m nodes at the same bound (no holes counted) and one draft step per depth (a
-    depth's forward reads at least one input). Empty while unpriced; cut where a forward size is unpriced.
+    over the last token and the m nodes at the same bound with the nodes off its deepest path as holes, and one
+    draft step per depth (a depth's forward reads at least one input). Empty while unpriced; cut where a forward
+    size is unpriced; 0.0 (not priced) for the first ``start`` (the chains before the first sibling node).
 
     >>> from hf_specdec.costmodel import ForwardCost
     >>> price = RoundCost(ForwardCost.from_table({1: 0.1, 8: 0.1}), t_draft=0.01)
     >>> nodes = expected_tree([[0.7, 0.6], [0.2, 0.2]], 4)
     >>> [round(bound, 2) for bound in tree_rate_bounds(price, nodes)]  # 4 nodes, depth 2: 2.46 tokens in 0.12 s
     [15.45, 17.67, 19.33, 20.5]
+    >>> tree_rate_bounds(price, nodes, start=2)[:2]  # the first two nodes are a chain: not priced
+    [0.0, 0.0]
     """
     if price.t_draft is None:
         return []
     host, tokens, depth, bounds = price.host_seconds(RoundKind.TREE), 1.0, 0, []
     for m, node in enumerate(nodes, start=1):
         tokens, depth = tokens + node.gain, max(depth, node.depth)
-        verify = price(1 + m, Bound.WORST)
+        if m <= start:
+            bounds.append(0.0)
+            continue
+        verify = price(1 + m, Bound.WORST, holes=m - depth)
         if verify is None:
             break
         bounds.append(tokens / (host + verify + depth * price.t_draft))
