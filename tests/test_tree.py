@@ -26,6 +26,7 @@ import hf_specdec
 from hf_specdec.config import SpecConfig
 from hf_specdec.costmodel import ForwardCost
 from hf_specdec.drafters import draft_tree
+from hf_specdec import policy as policy_module
 from hf_specdec.policy import Planner, expected_tree, tree_prefixes
 from hf_specdec.round import Offer, Proposal, RoundOutcome, RoundPlan, RowView, Source, SourceKind, TreeShape
 from hf_specdec.stats import SpecStats
@@ -479,13 +480,9 @@ def test_the_expected_tree_takes_second_choices_where_they_beat_deeper_first_cho
     assert shapes[2] == TreeShape(nodes=(2, 1), expanded=(1, 1), children=2)
 
 
-def test_a_draft_whose_first_choices_are_always_kept_grows_no_tree():
-    """Chains of 16 kept in full, round after round: rank 0 is learned near 1.0 at every depth, while rank 1, never
-    judged, still holds its prior (0.15) at each. Of a kept parent's children at most one is kept, so a second
-    choice can gain only what the first leaves (``policy.sibling_rates``): a few hundredths, less than an input
-    costs here (1% of a forward), and the planner keeps drafting chains. Priced at its prior instead, each second
-    choice would add 0.15 tokens for that input and every round would grow a tree of siblings that cannot be kept."""
-    cost = lambda n: 0.10 * (1 + 0.01 * (n - 1))  # noqa: E731
+def chains_kept_in_full(slope: float) -> Planner:
+    """A planner after 40 rounds of 16-token chains kept in full, t(n) = 0.1 s (1 + slope (n - 1))."""
+    cost = lambda n: 0.10 * (1 + slope * (n - 1))  # noqa: E731
     policy = planner(cost)
     chain = RoundPlan(model_tokens=16)
     sources = tuple((Source(SourceKind.DRAFT, 0, depth),) for depth in range(1, 17))
@@ -494,6 +491,27 @@ def test_a_draft_whose_first_choices_are_always_kept_grows_no_tree():
     for _ in range(40):
         policy.observe([RoundOutcome(proposal, accepted=tuple(range(16)), next_token=0, emitted=(0,) * 17,
                                      start_length=10, forward_tokens=17, verify_time=cost(17), plan=chain)])
+    return policy
+
+
+def test_a_tree_priced_within_the_margin_of_the_chain_is_not_grown(monkeypatch):
+    """Second choices priced at what the first leave (a few hundredths each) on a t(n) that grows 0.65% an input:
+    the best tree, 16 siblings beside the chain, is priced 0.6% above the chain, a tie within the estimates' noise
+    (``policy.TREE_MARGIN``, 1%): the round is the chain. Without the margin it would be the tree."""
+    chosen = plan(chains_kept_in_full(slope=0.0065))
+    assert chosen.tree is None and chosen.model_tokens == 16
+    monkeypatch.setattr(policy_module, "TREE_MARGIN", 0.0)
+    tree = plan(chains_kept_in_full(slope=0.0065)).tree
+    assert tree is not None and tree.num_nodes == 32
+
+
+def test_a_draft_whose_first_choices_are_always_kept_grows_no_tree():
+    """Chains of 16 kept in full, round after round: rank 0 is learned near 1.0 at every depth, while rank 1, never
+    judged, still holds its prior (0.15) at each. Of a kept parent's children at most one is kept, so a second
+    choice can gain only what the first leaves (``policy.sibling_rates``): a few hundredths, less than an input
+    costs here (1% of a forward), and the planner keeps drafting chains. Priced at its prior instead, each second
+    choice would add 0.15 tokens for that input and every round would grow a tree of siblings that cannot be kept."""
+    policy = chains_kept_in_full(slope=0.01)
     first = policy.acceptance((SourceKind.DRAFT, 0)).rates(16)
     assert first[0] > 0.95 and min(first[1:]) > 0.99
     assert policy.acceptance((SourceKind.DRAFT, 1)).rates(16) == [0.15] * 16  # never judged: the prior
