@@ -63,11 +63,14 @@ then run up to ``max_draft_tokens`` and stops where the draft's confidence says 
 cost (``AdaptiveChainRule.keep_drafting``); it reads the draft's token after every step, so where a read waits
 for the device's queue (a GPU: ``costmodel.reads_wait``) a round drafts k* on the device instead and reads once
 (so does a batch, which has no in-round rule). With P_i the calibrated probability that draft tokens 1..i are all
-accepted, the round so far is worth E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d + t(i+1). Token i+1 adds
-about P_i * a_{i+1} tokens for t_d + t(i+2) - t(i+1) more time, with a_{i+1} predicted by the calibrated
-confidence of token i (confidence comes in stretches), so drafting goes on only while
+accepted, the round so far is worth E_i = 1 + sum_{j<=i} P_j tokens for T_i = i t_d + t(i+1). A longer round of m
+tokens is worth about E_m = E_i + sum_{j=1..m-i} P_i a^j for T_m, with a predicted by the calibrated confidence of
+token i (confidence comes in stretches), so drafting goes on only while
 
-    P_i * a_{i+1} / (t_d + t(i+2) - t(i+1))  >  E_i / T_i .
+    max_{i < m <= max_draft_tokens} E_m / T_m  >  E_i / T_i
+
+(every longer round, not only the next token: t(n) is measured per size, and one size priced above its
+neighbours must not stop every chain at it when the planner's k*, which looks at every size, runs past it).
 
 P_i multiplies calibrated confidences: the draft's probability of its own token, mapped to an acceptance
 probability through decayed per-bin acceptance counts (10 bins, Beta prior centred on the raw confidence).
