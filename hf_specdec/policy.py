@@ -622,7 +622,7 @@ class Planner:
         if mode is TreeMode.OFF or depth <= 0:
             return None
         limit = min(MAX_TREE_NODES, max(8 if rows == 1 else 1, 2 * self.estimates.forward.largest // rows) - 1)
-        rates = [self.acceptance((SourceKind.DRAFT, rank)).rates(depth) for rank in range(TREE_CHILDREN)]
+        rates = sibling_rates([self.acceptance((SourceKind.DRAFT, rank)).rates(depth) for rank in range(TREE_CHILDREN)])
         nodes = expected_tree(rates, limit)
         # the first m nodes branch from the first node of rank > 0 on (nodes come best first); fewer are a chain,
         # which the chain's own price sizes
@@ -637,9 +637,13 @@ class Planner:
         if mode is TreeMode.AUTO and max(bounds[branching:], default=0.0) <= floor:
             return None  # no tree can beat the chain: the shapes need not be priced
         best = None
-        for m, (shape, tokens) in enumerate(tree_prefixes(nodes, TREE_CHILDREN)):
-            if m < branching or (m < len(bounds) and bounds[m] <= max(floor, best.rate if best else 0.0)):
-                continue  # a chain, or a shape that cannot change the answer: not priced
+
+        def priced(m: int) -> bool:  # not a chain, nor a shape that cannot change the answer
+            return m >= branching and not (m < len(bounds) and bounds[m] <= max(floor, best.rate if best else 0.0))
+
+        for m, (shape, tokens) in enumerate(tree_prefixes(nodes, TREE_CHILDREN, wanted=priced)):
+            if shape is None:
+                continue
             seconds = price.tree(shape)
             if seconds is None:
                 break
@@ -650,7 +654,7 @@ class Planner:
             return None
         # the drafter ranks its nodes by the rates the tree was priced with: it grows the expected tree
         return dataclasses.replace(best, shape=dataclasses.replace(
-            best.shape, rates=tuple(tuple(rank_rates) for rank_rates in sibling_rates(rates))))
+            best.shape, rates=tuple(tuple(rank_rates) for rank_rates in rates)))
 
     # -- ready-made candidates: a trie ----------------------------------------------------------------------------
     def _affordable(self, price: RoundCost, limit: int) -> int:
@@ -960,9 +964,10 @@ def sibling_rates(rates: Sequence[Sequence[float]]) -> list[list[float]]:
     [[0.75, 0.5], [0.25, 0.25], [0.0, 0.25]]
     """
     capped: list[list[float]] = []
+    left: list[float] = [1.0] * max(map(len, rates), default=0)  # per depth, what the ranks so far leave
     for rank_rates in rates:
-        capped.append([max(0.0, min(rate, 1.0 - sum(earlier[depth] for earlier in capped)))
-                       for depth, rate in enumerate(rank_rates)])
+        capped.append([max(0.0, min(rate, room)) for rate, room in zip(rank_rates, left)])
+        left = [room - rate for room, rate in zip(left, capped[-1])] + left[len(capped[-1]):]
     return capped
 
 
@@ -996,10 +1001,12 @@ def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode], start: int
     return bounds
 
 
-def tree_prefixes(nodes: Sequence[ExpectedNode], children: int) -> Iterator[tuple[TreeShape, float]]:
+def tree_prefixes(nodes: Sequence[ExpectedNode], children: int,
+                  wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[TreeShape | None, float]]:
     """(shape, expected tokens) of the first m nodes of ``nodes`` (best first, a parent before its children), for
     m = 1, 2, ...: nodes per depth, the nodes the draft reads per depth (those with a child among the m) and 1 +
-    the sum of the gains.
+    the sum of the gains. ``wanted(m - 1)`` False: that prefix's shape is not made (a shape the caller would not
+    price); its place in the sequence is None.
 
     >>> nodes = expected_tree([[0.7, 0.6], [0.2, 0.2]], 4)
     >>> [(shape.nodes, shape.expanded, round(tokens, 2)) for shape, tokens in tree_prefixes(nodes, 2)]
@@ -1015,6 +1022,9 @@ def tree_prefixes(nodes: Sequence[ExpectedNode], children: int) -> Iterator[tupl
         per_depth[node.depth - 1] += 1
         read[node.depth - 1].add(node.parent)
         tokens += node.gain
+        if wanted is not None and not wanted(index):
+            yield None, tokens
+            continue
         yield TreeShape(tuple(per_depth), tuple(len(parents) for parents in read[: len(per_depth)]), children), tokens
 
 
