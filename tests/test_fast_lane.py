@@ -58,6 +58,9 @@ def pair():
 def test_greedy_chain_at_one_row_takes_the_lane(pair, stores):
     target, draft = pair
     prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    widths = []  # inputs of each draft forward
+    draft.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                          with_kwargs=True)
     out = _speculative(target, draft, prompt, spec_config=hf_specdec.SpecConfig(policy="fixed", num_draft_tokens=4))
     assert torch.equal(out, _plain(target, prompt))
     stats = target.last_spec_stats.get()
@@ -66,6 +69,10 @@ def test_greedy_chain_at_one_row_takes_the_lane(pair, stores):
     assert target_store.lane_forwards == stats.forwards  # every verify forward, and every keep (prefix crops)
     assert target_store.lane_keeps == stats.forwards
     assert draft_store.lane_forwards == stats.draft_forwards and draft_store.lane_keeps > 0
+    # the draft keeps what its chain wrote and the target kept: after the prompt read (the 12 tokens before the
+    # target's first), a round's first step feeds the target's token and, after a round kept in full, the last draft
+    # token; every other step one token
+    assert widths[0] == 12 and max(widths[1:]) == 2 and widths.count(2) < len(widths) // 2
 
 
 def test_tree_rounds_leave_the_lane(pair, stores):
