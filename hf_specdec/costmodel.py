@@ -282,8 +282,8 @@ class RoundCost:
     >>> RoundCost(cost, may_lose=lambda seconds: seconds <= 0.5)(8)  # the planner may lose the gap: as measured
     0.11
     >>> chain = RoundCost(cost, t_draft=0.02)
-    >>> chain.round(3), chain.more(3)  # 3 draft steps and a forward over 4 inputs; a 4th step and t(5) - t(4)
-    (0.17, 0.050625)
+    >>> chain.round(3)  # 3 draft steps and a forward over 4 inputs
+    0.17
     >>> RoundCost(cost, t_draft=0.02, read=0.5).round(3, with_read=True)  # the call's first round reads the prompts
     0.67
     >>> RoundCost(cost, width=lambda n: 8 if n > 4 else 4)(5)  # a compiled verify runs 5 inputs in the 8 bucket
@@ -358,14 +358,6 @@ class RoundCost:
             return None
         host = self.host_seconds(RoundKind.CHAIN if k > 0 else RoundKind.PLAIN)
         return round(k * (self.t_draft or 0.0) + t + (self.read if with_read else 0.0) + host, 12)
-
-    def more(self, k: int) -> float | None:
-        """What one more draft token adds to a chain of k: a draft step and the verify forward's growth (never
-        negative: t(1) may cost more than t(2)); None while either is unmeasured."""
-        now, after = self(k + 1), self(k + 2)
-        if now is None or after is None or self.t_draft is None:
-            return None
-        return self.t_draft + max(0.0, after - now)
 
     def draft_forward(self, width: int) -> float | None:
         """Seconds of one draft forward over ``width`` inputs per row: ``t_draft`` at one, else ``draft``."""

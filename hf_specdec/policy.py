@@ -206,7 +206,7 @@ class AdaptiveChainRule:
         >>> from hf_specdec.costmodel import ForwardCost
         >>> price = RoundCost(ForwardCost.from_table({1: 1.0, 3: 1.0, 4: 2.0, 16: 2.0}), t_draft=0.05)  # t(4) jumps
         >>> rule = AdaptiveChainRule(price, (0.0,), (0.0,), 2.0, (), True, 16)  # nothing judged: P(kept) = confidence
-        >>> rule.keep_drafting([0.9, 0.9]), rule.keep_drafting([0.3, 0.3])  # 16 tokens pay past the jump; doubted ones not
+        >>> rule.keep_drafting([0.9, 0.9]), rule.keep_drafting([0.3, 0.3])  # 16 pay past the jump; doubted ones not
         (True, False)
         """
         n = len(confidences)

@@ -28,7 +28,6 @@ def test_a_chain_is_k_draft_steps_and_a_forward_over_k_plus_one(table):
         assert price.round(k) == pytest.approx(k * 0.02 + cost.estimate(k + 1))
         assert price.round(k, extra=3, bound=Bound.WORST) == pytest.approx(
             k * 0.02 + cost.estimate(k + 4, extrapolate=True))
-        assert price.more(k) == pytest.approx(0.02 + max(0.0, cost.estimate(k + 2) - cost.estimate(k + 1)))
     assert RoundCost(cost).round(2) is None and RoundCost(cost).round(0) == cost.estimate(1)  # no draft step known
     assert RoundCost(cost, t_draft=0.02, read=0.5).round(2, with_read=True) == pytest.approx(price.round(2) + 0.5)
 
@@ -143,7 +142,6 @@ def test_each_round_kind_pays_its_host_work_and_the_planner_learns_it_per_kind()
     assert price.step() == pytest.approx(bare.step() + 0.001)
     assert price.round(0) == pytest.approx(bare.round(0) + 0.001)
     assert price.round(3) == pytest.approx(bare.round(3) + 0.002)
-    assert price.more(3) == bare.more(3)  # one more draft token adds no round of host work
     assert price.tree(shape) == pytest.approx(bare.tree(shape) + 0.004)
     assert price.trie(4, 2) == pytest.approx(bare.trie(4, 2) + 0.003)
 
