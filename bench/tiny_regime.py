@@ -19,13 +19,16 @@ Modes, interleaved per prompt in the orders of a balanced Latin square (``eval/i
     hf_default       transformers' assisted generation with its defaults
     specdec_k4       hf_specdec with policy "fixed", k = 4, the same draft
     specdec_default  hf_specdec's defaults (``enable(model)``, ``assistant_model=draft``)
+    bare_k4          no library's loop: gpt-fast's speculative step written out by hand over the same forwards
+                     (``bare_speculative``: a dynamic cache per model, rollback by cropping, one host read a round).
+                     What any loop around these forwards could reach here, measured rather than argued
 
 Each mode decodes one warm-up call first; throughput = total new tokens / total seconds. The report gives, per
 mode, tok/s, host seconds, target forwards and host milliseconds per round, whether every output is identical to
 plain, and the ratios the issue states bars for: host(specdec_k4) / host(hf_k4), tok/s(specdec_k4) / tok/s(hf_k4),
 tok/s(specdec_default) / tok/s(hf_default); and the ceiling of the k = 4 throughput ratio on this machine: hf_specdec's
 tokens over its forwards' seconds alone (no host work at all) against transformers' tok/s, which no host work can
-beat (the same draft and target forwards on both sides).
+beat (the same draft and target forwards on both sides); and the hand-written loop's tok/s over transformers'.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from eval.interleave import balanced, order as run_order  # noqa: E402
 import hf_specdec  # noqa: E402
 from first_call import machine_of, machine_words, write_report  # noqa: E402
 
-MODES = ("plain", "hf_k4", "hf_default", "specdec_k4", "specdec_default")
+MODES = ("plain", "hf_k4", "hf_default", "specdec_k4", "specdec_default", "bare_k4")
 # ``--compiled``: the same k = 4 pair where the user asked for a static cache and a compiled forward on every device
 # (the flags plain ``generate`` compiles with): transformers compiles its target forward (its assistant stays eager),
 # hf_specdec its verify at fixed widths and the draft's single step; the compile runs in each mode's warm-up call
@@ -100,8 +103,52 @@ def parts(model):
     return [model.model, model.lm_head]
 
 
+def bare_speculative(target, draft, prompt, new_tokens: int, k: int = 4) -> torch.LongTensor:
+    """Greedy speculative decoding with nothing but the forwards: gpt-fast's ``speculative_decode`` for one row.
+
+    Each model keeps a ``DynamicCache`` of every token it has read; ``pending`` are the tokens the draft has not
+    read yet (the last emitted one, and the last draft token after a round that kept all k). A round: k draft
+    steps (the first over ``pending``), one target forward over the last emitted token and the k draft tokens,
+    one host read of both models' choices, then each cache cropped to the tokens kept. Forwards run as
+    hf_specdec's fast lane runs them (base model, then the output layer) so that the hooks time the same calls.
+    """
+    from transformers import DynamicCache
+
+    def step(model, cache, ids, start):  # logits [1, n, V] of ids at positions start..
+        positions = torch.arange(start, start + ids.shape[1])[None]
+        states = model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
+        return model.lm_head(states)
+
+    target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
+    length = prompt.shape[1]
+    first = step(target, target_cache, prompt, 0)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    step(draft, draft_cache, prompt, 0)
+    out, pending = [prompt, first], first
+    made = 1
+    while made < new_tokens:
+        drafted, token = [], pending
+        read = draft_cache.get_seq_length()
+        for _ in range(k):
+            token = step(draft, draft_cache, token, read)[:, -1:].argmax(-1)  # [1, 1]
+            read += token.shape[1] if drafted else pending.shape[1]
+            drafted.append(token)
+        guesses = torch.cat(drafted, dim=1)  # [1, k]
+        chosen = step(target, target_cache, torch.cat([out[-1][:, -1:], guesses], dim=1), length).argmax(-1)
+        agree = (guesses == chosen[:, :k]).cumprod(dim=1).sum().item()  # the round's one host read
+        kept = torch.cat([guesses[:, :agree], chosen[:, agree: agree + 1]], dim=1)  # [1, agree + 1]
+        out.append(kept)
+        made += agree + 1
+        length += agree + 1  # the target read the last token and the agreed guesses; not the bonus
+        target_cache.crop(length - target_cache.get_seq_length())  # (5.25's crop takes how many to remove, < 0)
+        draft_cache.crop(min(0, length - draft_cache.get_seq_length()))
+        pending = kept[:, -2:] if agree == k else kept[:, -1:]
+    return torch.cat(out, dim=1)[:, : prompt.shape[1] + new_tokens]
+
+
 def run_mode(mode: str, target, draft, prompt, new_tokens: int, **flags):
     """The mode's call: (tokens [1, P + new], stats or None)."""
+    if mode == "bare_k4":
+        return bare_speculative(target, draft, prompt, new_tokens), None
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **flags)
     if mode == "plain":
         return type(target).generate(target, prompt, **greedy), None
@@ -143,7 +190,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/tiny_regime")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--prompts", type=int, default=10, help="a multiple of 10 balances 5 modes fully (an odd number of modes needs 2n orders)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="default: twice the number of modes, which balances the order fully (an odd number of "
+                             "modes needs 2n orders)")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -154,6 +203,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         args.new_tokens, args.prompts = 16, 5
+    if args.prompts is None:
+        args.prompts = 2 * len(args.modes.split(","))
     if args.compiled and args.modes == ",".join(MODES):
         args.modes = ",".join(COMPILED_MODES)
         # each mode has its own copy of the pair: one model's compiled forward serves every mode that calls it,
@@ -206,6 +257,8 @@ def main(argv=None) -> int:
         spec = totals["specdec_k4"]
         ratios["ceiling_tok_s_specdec_k4_over_hf_k4"] = (spec["tokens"] / (spec["target_s"] + spec["draft_s"])
                                                          / totals["hf_k4"]["tok_s"])
+    if {"bare_k4", "hf_k4"} <= set(modes):  # what a loop with next to no host work reaches here
+        ratios["tok_s_bare_k4_over_hf_k4"] = totals["bare_k4"]["tok_s"] / totals["hf_k4"]["tok_s"]
     if {"specdec_k4_static", "hf_k4_static"} <= set(modes):
         ratios["tok_s_specdec_k4_static_over_hf_k4_static"] = (totals["specdec_k4_static"]["tok_s"]
                                                                / totals["hf_k4_static"]["tok_s"])
