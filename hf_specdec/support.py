@@ -148,8 +148,8 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         reason = ("its recurrent (state-space / linear-attention) state cannot be rolled back to the accepted guess"
                   if recurrent else f"its cache layers ({', '.join(missing)}) cannot be rolled back exactly")
         refuse(reason)
-    by_column = _embeds_positions(model) or (model.config.is_encoder_decoder and not positions_are_distances(model))
-    if rows > 1 and not takes(model, "position_ids") and by_column:
+    if rows > 1 and not takes(model, "position_ids") and (
+            _embeds_positions(model) or (model.config.is_encoder_decoder and not positions_are_distances(model))):
         # (an encoder-decoder's decoder without decoder_position_ids: learned positions by column, BART/Marian; a
         # relative bias by column distance, T5, runs: the store keeps each row's distances, KVStore._alignment)
         refuse(f"it takes no position ids, so a token's position is its cache column (as in plain generate), and the "
