@@ -66,7 +66,8 @@ from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache
 
 from .backends import Buffers, RowStates, attends, backend_for, holds_states, keep_rows, layer_backends, prepare
-from .encoder_decoder import DECODER_ARGUMENTS, argument, is_encoder_decoder, positions_are_distances, reads_encoder
+from .encoder_decoder import DECODER_ARGUMENTS, argument, forward_params, is_encoder_decoder, positions_are_distances
+from .encoder_decoder import reads_encoder
 from .encoder_decoder import recorded as decoder_recorded
 from .errors import Unsupported
 from .inputs import NO_INPUTS, NO_KWARGS, ONE_MASK_MODELS, ModelInputs
@@ -142,13 +143,8 @@ def rollback(cache: Cache, length: int, window: bool = True) -> None:
         backend_for(layer).crop(layer, length, window)
 
 
-@functools.cache
-def _forward_params(model_class: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_class.forward).parameters)
-
-
 def accepts_position_ids(model) -> bool:
-    return argument(model, "position_ids") in _forward_params(type(model))
+    return argument(model, "position_ids") in forward_params(type(model))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,7 +272,7 @@ def call_model(
         head = plain_head(model)
     if head is not None:
         model = getattr(model, model.base_model_prefix)
-    params = _forward_params(type(model))
+    params = forward_params(type(model))
     kwargs = {("cache" if "cache" in params else "past_key_values"): cache, "use_cache": True}
     if head is None and logits_at is not None and "logits_to_keep" in params:
         kwargs["logits_to_keep"] = logits_at.to(input_ids.device) if isinstance(logits_at, torch.Tensor) else logits_at
@@ -417,7 +413,7 @@ class _LaneCall:
                 or store.inputs.step(1)):
             return None
         base = getattr(store.model, store.model.base_model_prefix)
-        params = _forward_params(type(base))
+        params = forward_params(type(base))
         if "position_ids" not in params or not {"cache", "past_key_values"} & params:
             return None
         return cls(base, head, "cache" if "cache" in params else "past_key_values")

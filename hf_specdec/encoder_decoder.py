@@ -92,13 +92,14 @@ def is_encoder_decoder(model) -> bool:
 
 
 @functools.cache
-def _forward_params(model_class: type) -> frozenset[str]:
+def forward_params(model_class: type) -> frozenset[str]:
+    """The argument names ``model_class.forward`` takes, read once per class (every check and forward asks)."""
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def reads_encoder(model) -> bool:
     """Does ``model``'s forward take encoder states (an encoder-decoder, or a decoder such as WhisperForCausalLM)?"""
-    return isinstance(model, torch.nn.Module) and "encoder_outputs" in _forward_params(type(model))
+    return isinstance(model, torch.nn.Module) and "encoder_outputs" in forward_params(type(model))
 
 
 def positions_are_distances(model) -> bool:

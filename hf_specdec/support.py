@@ -22,7 +22,7 @@ from transformers.models.whisper.generation_whisper import WhisperGenerationMixi
 
 from .backends import backend_named
 from .errors import Unsupported  # noqa: F401  (raised here; importers find it here too)
-from .encoder_decoder import argument, is_encoder_decoder, positions_are_distances
+from .encoder_decoder import argument, forward_params, is_encoder_decoder, positions_are_distances
 
 # layer types whose masks a trie forward gives (``KVStore._layer_masks``): an indexed (DSA) layer takes the full
 # causal mask, holes hidden from its indexer as from its attention
@@ -91,11 +91,7 @@ def check_cache_implementation(model, kwargs: dict) -> None:
 
 def takes(model, name: str) -> bool:
     """Does ``model``'s forward take the loop's argument ``name`` (an encoder-decoder's decoder's: ``decoder_*``)?"""
-    return argument(model, name) in _forward_params(model)
-
-
-def _forward_params(model) -> frozenset[str]:
-    return frozenset(inspect.signature(type(model).forward).parameters)
+    return argument(model, name) in forward_params(type(model))
 
 
 def _embeds_positions(model) -> bool:
@@ -131,7 +127,7 @@ def check_supported(model, mode: str, rows: int = 1, role: str = "target") -> No
         refuse("its class has its own generate() (multi-stream or multimodal decoding), which hf_specdec would bypass")
     if hasattr(type(model), "_supports_default_dynamic_cache") and not type(model)._supports_default_dynamic_cache():
         refuse("it keeps a cache or recurrent state of its own, which cannot roll back rejected guesses")
-    params = _forward_params(model)
+    params = forward_params(type(model))
     if "past_key_values" not in params and "cache" not in params:
         refuse("it keeps no key/value cache, so guesses cannot be verified on top of the tokens already read")
     model_type = getattr(model.config, "model_type", None)
