@@ -262,8 +262,8 @@ class RoundCost:
     per row reads rows x n); ``t_draft``: seconds of one draft-model step over these rows, one input each (None:
     unmeasured, or no draft model); ``hole``: seconds each hole (a written input off the kept path, in one row)
     costs when the cache compacts it, measured (0 until a compaction ran); ``draft``: seconds of one draft forward
-    over n inputs, every row's (a tree's depth reads several a row; ``Estimates.draft_seconds``; None: only
-    ``t_draft`` is known); ``width``: the inputs per row the target's forward runs for n (a compiled verify pads
+    over n inputs, every row's, as a tree's depth reads them (``Estimates.tree_draft_seconds``; None: ``t_draft``
+    at one input a row, nothing wider); ``width``: the inputs per row the target's forward runs for n (a compiled verify pads
     n to its bucket; None: n itself); ``may_lose``: the planner's decision whether a round may lose so many
     seconds against this price (``Regret.allows``: the regret allowance is the planner's, not the price's; None:
     nothing, so the measured curve prices a size only where it costs no less than the seed); ``read``: seconds of
@@ -360,11 +360,10 @@ class RoundCost:
         return round(k * (self.t_draft or 0.0) + t + (self.read if with_read else 0.0) + host, 12)
 
     def draft_forward(self, width: int) -> float | None:
-        """Seconds of one draft forward over ``width`` inputs per row: ``t_draft`` at one, else ``draft``."""
-        if width == 1:
-            return self.t_draft
+        """Seconds of a tree's draft forward over ``width`` inputs per row: ``draft``; without it, ``t_draft`` (a
+        chain's step) at one input a row and None wider."""
         if self.draft is None:
-            return None
+            return self.t_draft if width == 1 else None
         key = ("draft", width)
         if key not in self._seen:
             self._seen[key] = self.draft(self.rows * width)
@@ -739,7 +738,9 @@ class Estimates:
     """Everything measured or learned while decoding that sizing decisions read.
 
     ``forward``: t(n) of the target; ``draft_step``: seconds per draft-model forward by the rows it steps (one
-    new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4), measured while decoding;
+    new token each: a batch of 8 steps 8 inputs, priced apart from a batch of 4), measured in chain rounds;
+    ``tree_step``: seconds of a tree's draft forward by the inputs it reads (every row's frontier at one depth),
+    measured in tree rounds (``tree_draft_seconds``);
     ``draft_rows``: the hardware profile's draft step by rows, whose shape scales a measured step to a batch
     size not measured yet (empty: the target's t(n) scales it); ``draft_read``: the draft model's prompt read,
     a learned share of the target's prefill (``ReadCost``); ``regret``:
@@ -753,6 +754,7 @@ class Estimates:
 
     forward: ForwardCost = field(default_factory=ForwardCost)
     draft_step: ForwardCost = field(default_factory=ForwardCost)
+    tree_step: ForwardCost = field(default_factory=ForwardCost)
     draft_rows: ForwardCost = field(default_factory=ForwardCost)
     draft_read: ReadCost = field(default_factory=ReadCost)
     regret: Regret = field(default_factory=Regret)
@@ -812,6 +814,28 @@ class Estimates:
         (0.1125, 0.0775)
         """
         return self.draft_step.scaled(rows, like=self.draft_rows if self.draft_rows.largest else self.forward)
+
+    def tree_draft_seconds(self, inputs: int) -> float | None:
+        """Seconds of a tree's draft forward over ``inputs`` inputs (every row's frontier at one depth): as tree
+        rounds measured it (scaled past the widest measured as ``draft_seconds`` scales), else a chain's step
+        over as many inputs (``draft_seconds``: a tree not grown yet is priced as a chain's steps, once).
+
+        A tree's depth reads its frontier at slots of its own, under a 4-D mask (the store's general path); a
+        chain's step continues the last written slot (the store's fast lane, ``KVStore.lane_steps``), which costs
+        less at the same width: one estimator for both would price a tree with the chain's step, and, once a
+        tree has run, the chain with the tree's.
+
+        >>> estimates = Estimates()
+        >>> estimates.draft_step.observe(1, 0.01)
+        >>> estimates.tree_draft_seconds(1)  # no tree yet: a chain's step
+        0.01
+        >>> estimates.tree_step.observe(1, 0.018)
+        >>> estimates.tree_draft_seconds(1), estimates.draft_seconds(1)  # each as measured
+        (0.018, 0.01)
+        """
+        if not self.tree_step.largest:
+            return self.draft_seconds(inputs)
+        return self.tree_step.scaled(inputs, like=self.draft_rows if self.draft_rows.largest else self.forward)
 
 
 def reads_wait(device: torch.device) -> bool:

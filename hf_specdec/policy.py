@@ -464,7 +464,7 @@ class Planner:
         decision of what a round may lose against it."""
         estimates = self.estimates
         return RoundCost(estimates.forward, rows, estimates.draft_seconds(rows),
-                         estimates.ema_value(EmaName.HOLE_SECONDS) or 0.0, estimates.draft_seconds, self.width,
+                         estimates.ema_value(EmaName.HOLE_SECONDS) or 0.0, estimates.tree_draft_seconds, self.width,
                          self.regret.allows, host=estimates.host_seconds)
 
     def read_seconds(self, setup_tokens: int) -> float:
@@ -816,8 +816,8 @@ class Planner:
             tokens, seconds = self.prefill
             self.estimates.draft_read.observe(setup, seconds * max(1.0, setup_tokens / max(tokens, 1)))
         steps = next((p.draft_steps for p in proposals if p.draft_steps), ())
-        for width, seconds in steps:  # a tree's forwards, by the inputs they read (every row's)
-            self.estimates.draft_step.observe(len(outcomes) * width, seconds)
+        for width, seconds in steps:  # a tree's forwards, by the inputs they read (every row's): priced apart
+            self.estimates.tree_step.observe(len(outcomes) * width, seconds)
         if not steps:  # a chain's: one input a row each
             drafting = sum(p.draft_time for p in proposals)  # the batch's, over its rows
             self.estimates.draft_step.observe(len(outcomes), drafting / forwards)
@@ -975,7 +975,7 @@ def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode], start: int
     """For each m, at most the expected tokens per second of the tree of the first m of ``nodes`` (best first): its
     tokens over the least its round costs as ``RoundCost.tree`` prices it: a tree's host work, the target's forward
     over the last token and the m nodes at the same bound with the nodes off its deepest path as holes, and one
-    draft step per depth (a depth's forward reads at least one input). Empty while unpriced; cut where a forward
+    tree draft forward of one input per depth (a depth's forward reads at least one). Empty while unpriced; cut where a forward
     size is unpriced; 0.0 (not priced) for the first ``start`` (the chains before the first sibling node).
 
     >>> from hf_specdec.costmodel import ForwardCost
@@ -986,7 +986,8 @@ def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode], start: int
     >>> tree_rate_bounds(price, nodes, start=2)[:2]  # the first two nodes are a chain: not priced
     [0.0, 0.0]
     """
-    if price.t_draft is None:
+    step = price.draft_forward(1)
+    if step is None:
         return []
     host, tokens, depth, bounds = price.host_seconds(RoundKind.TREE), 1.0, 0, []
     for m, node in enumerate(nodes, start=1):
@@ -997,7 +998,7 @@ def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode], start: int
         verify = price(1 + m, Bound.WORST, holes=m - depth)
         if verify is None:
             break
-        bounds.append(tokens / (host + verify + depth * price.t_draft))
+        bounds.append(tokens / (host + verify + depth * step))
     return bounds
 
 

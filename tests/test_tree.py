@@ -24,7 +24,7 @@ from transformers import BloomConfig, BloomForCausalLM
 
 import hf_specdec
 from hf_specdec.config import SpecConfig
-from hf_specdec.costmodel import ForwardCost
+from hf_specdec.costmodel import Bound, ForwardCost, RoundKind
 from hf_specdec.drafters import draft_tree
 from hf_specdec import policy as policy_module
 from hf_specdec.policy import Planner, expected_tree, tree_prefixes
@@ -462,13 +462,26 @@ def test_siblings_that_are_never_kept_turn_trees_back_into_chains():
 
 
 def test_a_tree_round_prices_its_draft_forwards_by_the_inputs_they_read():
+    """A tree's depth forwards are learned by the inputs they read, apart from a chain's steps: a depth reads its
+    frontier through the store's general path, a chain's step takes the fast lane, and neither prices the other."""
     policy = planner(flat)
-    proposal = Proposal(tokens=(1, 2), parents=(-1, -1), sources=((Source(SourceKind.DRAFT, 0, 1),),
-                                                                 (Source(SourceKind.DRAFT, 1, 1),)),
-                        draft_time=0.05, draft_forwards=2, draft_steps=((1, 0.01), (3, 0.04)))
-    policy.observe([RoundOutcome(proposal, accepted=(0,), next_token=0, emitted=(1, 0), start_length=10,
+    chain = Proposal.chain([1, 2], [Source(SourceKind.DRAFT, 0, 1), Source(SourceKind.DRAFT, 0, 2)],
+                           draft_time=0.01, draft_forwards=2)  # 5 ms a step
+    policy.observe([RoundOutcome(chain, accepted=(0, 1), next_token=0, emitted=(1, 2, 0), start_length=10,
                                  forward_tokens=3, verify_time=0.10, plan=RoundPlan(model_tokens=2))])
-    assert policy.estimates.draft_step.table() == pytest.approx({1: 0.01, 3: 0.04})
+    chain_step = policy.estimates.draft_step.table()
+    tree = Proposal(tokens=(1, 2), parents=(-1, -1), sources=((Source(SourceKind.DRAFT, 0, 1),),
+                                                             (Source(SourceKind.DRAFT, 1, 1),)),
+                    draft_time=0.05, draft_forwards=2, draft_steps=((1, 0.01), (3, 0.04)))
+    policy.observe([RoundOutcome(tree, accepted=(0,), next_token=0, emitted=(1, 0), start_length=10,
+                                 forward_tokens=3, verify_time=0.10, plan=RoundPlan(model_tokens=2))])
+    assert policy.estimates.tree_step.table() == pytest.approx({1: 0.01, 3: 0.04})
+    assert policy.estimates.draft_step.table() == chain_step and chain_step[1] < 0.01  # the chain's own, untouched
+    price = policy.price()
+    assert price.t_draft == pytest.approx(chain_step[1]) and price.draft_forward(1) == pytest.approx(0.01)
+    shape = TreeShape(nodes=(2, 1), expanded=(1, 1), children=2)  # two depth forwards of one input each
+    assert price.tree(shape) == pytest.approx(price(4, Bound.WORST, holes=1) + price.host_seconds(RoundKind.TREE)
+                                              + 2 * 0.01)
 
 
 def test_the_expected_tree_takes_second_choices_where_they_beat_deeper_first_choices():
