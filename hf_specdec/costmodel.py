@@ -263,8 +263,8 @@ class RoundCost:
     unmeasured, or no draft model); ``hole``: seconds each hole (a written input off the kept path, in one row)
     costs when the cache compacts it, measured (0 until a compaction ran); ``draft``: seconds of one draft forward
     over n inputs, every row's, as a tree's depth reads them (``Estimates.tree_draft_seconds``; None: ``t_draft``
-    at one input a row, nothing wider); ``width``: the inputs per row the target's forward runs for n (a compiled verify pads
-    n to its bucket; None: n itself); ``may_lose``: the planner's decision whether a round may lose so many
+    at one input a row, nothing wider); ``width``: the inputs per row the target's forward runs for n (a compiled
+    verify pads n to its bucket; None: n itself); ``may_lose``: the planner's decision whether a round may lose so many
     seconds against this price (``Regret.allows``: the regret allowance is the planner's, not the price's; None:
     nothing, so the measured curve prices a size only where it costs no less than the seed); ``read``: seconds of
     the draft's prompt read a round pays before drafting (0 once read); ``host``: seconds of a round's host work

@@ -975,8 +975,9 @@ def tree_rate_bounds(price: RoundCost, nodes: Sequence[ExpectedNode], start: int
     """For each m, at most the expected tokens per second of the tree of the first m of ``nodes`` (best first): its
     tokens over the least its round costs as ``RoundCost.tree`` prices it: a tree's host work, the target's forward
     over the last token and the m nodes at the same bound with the nodes off its deepest path as holes, and one
-    tree draft forward of one input per depth (a depth's forward reads at least one). Empty while unpriced; cut where a forward
-    size is unpriced; 0.0 (not priced) for the first ``start`` (the chains before the first sibling node).
+    tree draft forward of one input per depth (a depth's forward reads at least one). Empty while unpriced; cut
+    where a forward size is unpriced; 0.0 (not priced) for the first ``start`` (the chains before the first sibling
+    node).
 
     >>> from hf_specdec.costmodel import ForwardCost
     >>> price = RoundCost(ForwardCost.from_table({1: 0.1, 8: 0.1}), t_draft=0.01)
