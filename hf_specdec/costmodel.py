@@ -813,7 +813,7 @@ class Estimates:
         >>> estimates.draft_seconds(8), estimates.draft_seconds(3)
         (0.1125, 0.0775)
         """
-        return self.draft_step.scaled(rows, like=self.draft_rows if self.draft_rows.largest else self.forward)
+        return self.draft_step.scaled(rows, like=self._draft_growth())
 
     def tree_draft_seconds(self, inputs: int) -> float | None:
         """Seconds of a tree's draft forward over ``inputs`` inputs (every row's frontier at one depth): as tree
@@ -835,7 +835,12 @@ class Estimates:
         """
         if not self.tree_step.largest:
             return self.draft_seconds(inputs)
-        return self.tree_step.scaled(inputs, like=self.draft_rows if self.draft_rows.largest else self.forward)
+        return self.tree_step.scaled(inputs, like=self._draft_growth())
+
+    def _draft_growth(self) -> ForwardCost:
+        """How a draft forward grows past the widest measured: the profile's draft step by rows, else the target's
+        t(n)."""
+        return self.draft_rows if self.draft_rows.largest else self.forward
 
 
 def reads_wait(device: torch.device) -> bool:
