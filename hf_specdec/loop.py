@@ -49,6 +49,7 @@ from .drafters.base import Drafter, NoDrafter
 from .errors import is_out_of_memory
 from .inputs import NO_INPUTS, ModelInputs
 from .layout import positions, round_layout, stack_layouts
+from .ordinary import ordinary
 from .policy import CappedPolicy, Policy
 from .processors import process_rows
 from .round import Proposal, RoundOutcome, RowView
@@ -170,7 +171,17 @@ class _Row:
 
 
 def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecStats, streamer=None) -> Decoded:
-    """Run the loop (module docstring)."""
+    """Run the loop (module docstring) in inference mode; what it returns, and the cache it was passed, hold
+    ordinary tensors (``ordinary.py``) unless the caller runs in inference mode itself, as plain's would."""
+    if torch.is_inference_mode_enabled():
+        return _decode(inputs, drafter, policy, stats, streamer)
+    with torch.inference_mode():
+        decoded = _decode(inputs, drafter, policy, stats, streamer)
+    ordinary(inputs.cache)
+    return ordinary(decoded)
+
+
+def _decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecStats, streamer=None) -> Decoded:
     emitter = Emitter(streamer)
     inputs = dataclasses.replace(inputs, stopping_criteria=_own_stops(inputs))
     steps: list[list[Step]] = [[] for _ in range(inputs.input_ids.shape[0])]  # per row, per emitted token, if asked
