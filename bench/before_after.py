@@ -16,6 +16,8 @@ call a fresh memory instead. Every mode decodes one warm-up call first (the exis
 ``bench/first_call.py`` measures the calls without one). Modes run in a balanced order per prompt
 (``eval/interleave.py``: run a multiple of 4 prompts for 4 modes); throughput = total new tokens / total seconds.
 A forward hook counts target forwards, their inputs and the plain (one-input) ones: where a difference comes from.
+Every call is made as a user makes it, in no grad mode of the caller's (``generate`` sets its own; hf_specdec's loop
+runs in inference mode, ``hf_specdec/ordinary.py``); runs before stop 41 wrapped every mode in inference mode.
 """
 
 from __future__ import annotations
@@ -142,9 +144,8 @@ def main(argv=None) -> int:
 
         runs = {mode: decoder(mode) for mode in modes}
         warm = tokenizer("def f(x):\n", return_tensors="pt")
-        with torch.inference_mode():
-            for run in runs.values():
-                run(warm)
+        for run in runs.values():  # every call as a user makes it: no grad mode of the caller's (generate's own)
+            run(warm)
         totals = {mode: {"tokens": 0, "seconds": 0.0, "forwards": 0, "inputs": 0, "plain": 0, "equal": 0}
                   for mode in modes}
         per_prompt = []
@@ -153,10 +154,9 @@ def main(argv=None) -> int:
             for mode in run_order(modes, i):
                 counts.update(forwards=0, inputs=0, plain=0)
                 width = inputs["input_ids"].shape[1]
-                with torch.inference_mode():
-                    start = time.perf_counter()
-                    out = runs[mode](inputs)
-                    seconds = time.perf_counter() - start
+                start = time.perf_counter()
+                out = runs[mode](inputs)
+                seconds = time.perf_counter() - start
                 outs[mode] = out[0, width:].tolist()
                 total = totals[mode]
                 total["tokens"] += len(outs[mode])

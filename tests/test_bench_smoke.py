@@ -28,6 +28,7 @@ SMOKE_RUNS = {  # script: its smoke runs' arguments, one list per run, in order 
     "batch.py": [["--tiny", "--json", "OUT"]],
     "packed.py": [["--tiny", "--json", "OUT"]],
     "tiny_regime.py": [["--tiny", "--out", "OUT"]],
+    "grad_modes.py": [["--tiny", "--out", "OUT"]],
     "static_cache.py": [["--tiny", "--out", "OUT"]],
 }
 
@@ -64,6 +65,9 @@ def verdicts(script: str, out: Path) -> list[tuple[str, int, bool]]:
         report = json.loads(out.read_text())
         return [(mode, round(rate * 1000), _fraction_all(report["per_mode"][mode]["equal_to_plain"]))
                 for mode, rate in report["tokens_per_s"].items()]  # tokens per 1000 s: > 0 iff it produced any
+    if script == "grad_modes.py":  # decodes nothing: each model's forwards in both modes, the same logits in each
+        report = json.loads((out / "grad_modes.json").read_text())
+        return [(f"{name} forward", row["inputs"], row["same_logits"]) for name, row in report["models"].items()]
     if script == "early_exit.py":
         report = json.loads((out / "early_exit.json").read_text())
         return [(f"{run['prompt']} {run['mode']}", run["new"], run.get("identical", True)) for run in report["runs"]]
