@@ -175,9 +175,11 @@ def decode(inputs: DecodeInputs, drafter: Drafter, policy: Policy, stats: SpecSt
     ordinary tensors (``ordinary.py``) unless the caller runs in inference mode itself, as plain's would."""
     if torch.is_inference_mode_enabled():
         return _decode(inputs, drafter, policy, stats, streamer)
-    with torch.inference_mode():
-        decoded = _decode(inputs, drafter, policy, stats, streamer)
-    ordinary(inputs.cache)
+    try:
+        with torch.inference_mode():
+            decoded = _decode(inputs, drafter, policy, stats, streamer)
+    finally:  # the caller's cache, also where the call raised (plain's cache is left as far as it got)
+        ordinary(inputs.cache)
     return ordinary(decoded)
 
 

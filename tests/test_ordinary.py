@@ -109,3 +109,37 @@ def test_a_caller_in_inference_mode_gets_what_plain_gives_it_there(pair):
         _drafted(model)
         plain = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, plain) and out.is_inference() == plain.is_inference()
+
+
+def test_a_cache_passed_in_is_ordinary_after_a_call_that_raised(pair):
+    """A stopping criterion that raises after a few rounds: the caller's cache, written as far as the call got, still
+    takes plain's in-place writes (a static cache's buffers made in the call)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Fails(StoppingCriteria):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls += 1
+            if self.calls > 3:
+                raise RuntimeError("a caller's criterion failed")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model, draft = pair
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    widths = []  # the target's forwards' inputs: a round that verified draft tokens reads more than one
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="a caller's criterion failed"):
+            model.generate(PROMPT, assistant_model=draft, spec_config=FIXED, max_new_tokens=NEW, do_sample=False,
+                           cache=cache, stopping_criteria=StoppingCriteriaList([Fails()]))
+    finally:
+        hook.remove()
+    assert any(1 < width < PROMPT.shape[1] for width in widths), widths  # (a call that raises keeps no stats)
+    assert cache.layers[0].is_initialized
+    assert not any(layer.keys.is_inference() or layer.values.is_inference() for layer in cache.layers)
+    cache.reset()  # plain's own in-place reset and writes
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW, do_sample=False, cache=cache),
+                       model.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
