@@ -44,7 +44,10 @@ def ordinary(value, depth: int = _DEPTH):
         changed = any(new is not old for new, old in zip(items, value))
         return (type(value)(*items) if hasattr(value, "_fields") else type(value)(items)) if changed else value
     if isinstance(value, list):
-        value[:] = [ordinary(item, depth - 1) for item in value]
+        for i, item in enumerate(value):
+            new = ordinary(item, depth - 1)
+            if new is not item:
+                value[i] = new
         return value
     if isinstance(value, dict):  # a ModelOutput too: setting an item sets its attribute
         for key, item in list(value.items()):
