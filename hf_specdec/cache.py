@@ -612,24 +612,35 @@ class KVStore:
         """Can ``lane_steps`` run: the last forward took the fast lane and asked for logits alone (``_LaneCall``)?"""
         return bool(self._lane_written) and self._lane_call not in (None, _UNSET) and self._lane_open()
 
-    def lane_steps(self, token: torch.LongTensor, steps: int,
+    def starts_lane(self) -> bool:
+        """Can ``lane_steps`` start a chain after the kept tokens: nothing written since the last keep, and an
+        earlier forward of this store took the fast lane and asked for logits alone (``_LaneCall``)?"""
+        return self.num_written == 0 and self._lane_call not in (None, _UNSET) and self._lane_open()
+
+    def lane_steps(self, tokens: torch.LongTensor, steps: int,
                    choose: Callable[[torch.Tensor], torch.LongTensor | None]) -> int:
-        """Up to ``steps`` forwards of one token, each continuing the last written slot in the fast lane, as
-        ``forward(..., after=Continue.LAST, logits_at=1)`` runs each where ``continues_lane()``: the first over
-        ``token`` [1, 1], each next over what ``choose`` makes of the last one's float logits [1, V] (None: stop
-        here). A draft's chain (gpt-fast's ``decode_n_tokens``): what ``forward`` decides per call is decided once
-        for all of them. Returns how many forwards ran; their slots follow the last written one."""
-        assert self.continues_lane(), "lane_steps continues a forward of the fast lane"
+        """Up to ``steps`` forwards in the fast lane, as ``forward(..., logits_at=1)`` runs each where
+        ``continues_lane()`` (each continues the last written slot: ``after=Continue.LAST``) or ``starts_lane()``
+        (the first continues the kept tokens: no ``after``): the first over ``tokens`` [1, u], each next over what
+        ``choose`` makes of the last one's float logits [1, V] (None: stop here). A draft's chain (gpt-fast's
+        ``decode_n_tokens``): what ``forward`` decides per call is decided once for all of them. Returns how many
+        forwards ran; their u + ran - 1 slots follow the last written one (the last kept one)."""
+        assert self.continues_lane() or self.starts_lane(), "lane_steps continues the kept tokens or the fast lane"
+        if not self._lane_written:
+            self._lane_start = int(self.lengths[0]) + int(self._offset[0])  # (host tensors)
+        n = tokens.shape[1] + steps - 1  # inputs, at most
         start = self._lane_start + self._lane_written
-        self._span(self.width + self._lane_written + steps)
-        positions = self._ranges.device(start + steps)[None]  # [1, >= start + steps] text positions
+        self._span(self.width + self._lane_written + n)
+        positions = self._ranges.device(start + n)[None]  # [1, >= start + n] text positions
+        end = start + tokens.shape[1]
         for ran in range(1, steps + 1):
-            logits = self._lane_call(token, self.cache, positions[:, start + ran - 1: start + ran], 1)
-            self._lane_written += 1
+            logits = self._lane_call(tokens, self.cache, positions[:, start: end], 1)
+            self._lane_written += end - start
             self.lane_forwards += 1
-            token = choose(logits[:, 0])
-            if token is None:
+            tokens = choose(logits[:, 0])
+            if tokens is None:
                 return ran
+            start, end = end, end + 1
         return steps
 
     def _lane_keep(self, kept: Sequence[Sequence[int]]) -> bool:

@@ -217,23 +217,41 @@ class DraftModelDrafter(Drafter):
             row.append(slot)
         return self._over_vocab(written.logits[:, 0])
 
+    def _chain(self, feeds: list[torch.Tensor], most: int, step: Callable[[torch.Tensor], torch.Tensor | None]
+               ) -> None:
+        """Up to ``most`` forwards: the first over each row's ``feeds[r]`` ([u_r] tokens after its kept ones), each
+        next over one token per row, what ``step`` makes of the last one's float logits [B, V] (None: stop). One
+        row whose store's forwards take the fast lane runs them all as one chain (``KVStore.lane_steps``)."""
+        if len(feeds) == 1 and self.step.takes_head and self.cache.starts_lane():
+            self._lane_chain(feeds[0][None], most, step)
+            return
+        tokens = step(self._logits(feeds))
+        if tokens is not None:
+            self._steps(tokens, most - 1, step)
+
     def _steps(self, tokens: torch.Tensor, most: int, step: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """Up to ``most`` forwards of one token per row, the first over ``tokens`` [B], each next over what ``step``
         makes of the last one's float logits [B, V] (None: stop). Where the last forward took the store's fast lane
         and the steps run the store's own forward (an eager step), the store runs them as one chain
-        (``KVStore.lane_steps``); else each is a ``_logits_after``."""
+        (``_lane_chain``); else each is a ``_logits_after``."""
         if most <= 0:
             return
         if self.step.takes_head and self.cache.continues_lane():
-            last = self.cache.width + self.cache.num_written - 1
-            ran = self.cache.lane_steps(self._readable(tokens[:, None]), most,
-                                        lambda logits: self._fed_back(step(self._over_vocab(logits))))
-            self._written[0].extend(range(last + 1, last + 1 + ran))
+            self._lane_chain(tokens[:, None], most, step)
             return
         for _ in range(most):
             tokens = step(self._logits_after(tokens))
             if tokens is None:
                 return
+
+    def _lane_chain(self, tokens: torch.Tensor, most: int, step: Callable[[torch.Tensor], torch.Tensor | None]
+                    ) -> None:
+        """Up to ``most`` forwards in the store's fast lane for one row (``KVStore.lane_steps``): the first over
+        ``tokens`` [1, u], each next over what ``step`` makes of the last one's float logits [1, V] (None: stop)."""
+        first = self.cache.width + self.cache.num_written  # the slot the first input is written at
+        ran = self.cache.lane_steps(self._readable(tokens), most,
+                                    lambda logits: self._fed_back(step(self._over_vocab(logits))))
+        self._written[0].extend(range(first, first + tokens.shape[1] + ran - 1))
 
     def _fed_back(self, tokens: torch.Tensor | None) -> torch.Tensor | None:
         """A step's tokens [1] as the next lane forward's input [1, 1] (None: stop)."""
@@ -348,9 +366,7 @@ class DraftModelDrafter(Drafter):
                 ids = [torch.cat([row_ids, token[None]]) for row_ids, token in zip(ids, chosen)]
             return chosen
 
-        first = step(self._logits(feeds))
-        if first is not None:
-            self._steps(first, steps - 1, step)
+        self._chain(feeds, steps, step)
         seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
         forwards = max(len(row) for row in tokens)
         return [Proposal.chain(
@@ -366,13 +382,13 @@ class DraftModelDrafter(Drafter):
         to the next step as it is; nothing is read back here (``Proposal.device_tokens``: the loop reads the
         tokens with the target's choices, in the round's one transfer). Each row keeps its first ``limits[r]``."""
         steps = max(limits)
-        chosen = [greedy_choice(self._logits(feeds))]  # [B] each
+        chosen: list[torch.Tensor] = []  # [B] each
 
         def step(logits: torch.Tensor) -> torch.Tensor | None:
             chosen.append(greedy_choice(logits))
             return chosen[-1] if len(chosen) < steps else None
 
-        self._steps(chosen[0], steps - 1, step)
+        self._chain(feeds, steps, step)
         drafted = torch.stack(chosen, dim=1)  # [B, steps]
         seconds = (time.perf_counter() - start) / len(views)  # the batch's drafting time, shared by its rows
         return [Proposal.device_chain(
