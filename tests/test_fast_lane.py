@@ -143,6 +143,41 @@ def test_lane_equals_the_general_path_in_the_store():
         assert torch.equal(mine.keys, theirs.keys)
 
 
+def test_lane_steps_from_the_kept_tokens_equal_forwards_one_by_one():
+    """A round's chain from its first input on (``starts_lane``): a first forward of 2 inputs after the kept tokens,
+    then one token a step, each what ``choose`` made of the last logits: the logits, slots and cache of the same
+    forwards made one by one through ``forward``."""
+    model = tiny_model("llama", seed=0)
+    chained, single = KVStore(model), KVStore(model)
+    with torch.no_grad():
+        for store in (chained, single):
+            store.prefill(torch.tensor([[5, 6, 7, 8]]), None)
+            assert not store.starts_lane()  # no lane forward yet: its call is made by the first
+            store.forward(_chain([9]))
+            store.keep([[4]])
+        assert chained.starts_lane() and not chained.continues_lane()
+        seen = []
+
+        def choose(logits):  # [1, V] -> the next input [1, 1], or None after 3
+            seen.append(logits)
+            return logits.argmax(-1, keepdim=True) if len(seen) < 3 else None
+
+        ran = chained.lane_steps(torch.tensor([[10, 11]]), 4, choose)
+        one_by_one = [single.forward(_chain([10, 11]), logits_at=1)]
+        for _ in range(2):
+            token = int(one_by_one[-1].logits[0, -1].argmax())
+            one_by_one.append(single.forward(_chain([token]), after=Continue.LAST, logits_at=1))
+    assert ran == 3 and chained.num_written == single.num_written == 4 and chained.lane_forwards == 4
+    for logits, forward in zip(seen, one_by_one, strict=True):
+        assert torch.equal(logits, forward.logits[:, -1])
+    assert [s for forward in one_by_one for s in forward.slots[0].tolist()] == [5, 6, 7, 8]
+    for store in (chained, single):
+        store.keep([[5, 6, 7]])
+    assert chained.lengths.tolist() == single.lengths.tolist() == [8] and chained.lane_keeps == 2
+    for mine, theirs in zip(chained.layers, single.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
 def test_lane_keep_is_a_crop():
     model = tiny_model("llama", seed=0)
     store = KVStore(model)
